@@ -1,0 +1,160 @@
+"""Assembles the gateway: the FastAPI app, its lifespan (engine, tokenizer, capture writer) and error shape.
+
+``build_app(settings)`` is the only place where serving objects are created; they live on
+``app.state.clawgate`` (an ``AppState``). Tests pass their own engine to exercise edge cases.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway import __version__
+from gateway.api import openai as openai_api
+from gateway.api import system as system_api
+from gateway.engines.base import Engine
+from gateway.errors import APIError, BadRequest
+from gateway.metrics import Metrics
+from gateway.render import Renderer
+from gateway.service import ChatService
+from gateway.sessions import SessionIndex
+from gateway.settings import Settings
+from gateway.state import AppState
+from gateway.store import db
+from gateway.store.writer import CallWriter
+
+log = logging.getLogger("clawgate")
+
+
+def load_tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def make_engine(settings: Settings, tokenizer: Any) -> Engine:
+    if settings.engine == "local":
+        from gateway.engines.local import LocalEngine
+
+        return LocalEngine(settings.model, dtype=settings.local_dtype)
+    from gateway.engines.vllm import VLLMEngine
+
+    return VLLMEngine(settings.vllm_url, model=settings.vllm_model or settings.model,
+                      timeout=settings.vllm_timeout)
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for logs and error messages."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return "<unparsable url>"
+
+
+def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: Any = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tok = tokenizer if tokenizer is not None else load_tokenizer(settings.model)
+        eng = engine if engine is not None else make_engine(settings, tok)
+        current = db.current_revision(settings.database_url)
+        head = db.head_revision()
+        if current != head:
+            raise RuntimeError(
+                f"database schema is at {current or 'nothing'}, expected {head}: run `clawgate db upgrade` "
+                f"(database {redact_url(settings.database_url)})"
+            )
+        if not settings.api_keys:
+            log.warning("CLAWGATE_API_KEYS is not set: the API is open to anyone who can reach %s:%s",
+                        settings.host, settings.port)
+        metrics = Metrics()
+        writer = CallWriter(
+            db.make_engine(settings.database_url),
+            spool_dir=settings.data_dir / "spool",
+            batch_size=settings.capture_batch_size,
+            flush_interval=settings.capture_flush_interval,
+            max_queue=settings.capture_max_queue,
+        )
+        await writer.start()
+        await eng.start()
+        renderer = Renderer(tok)
+        index = SessionIndex()
+        service = ChatService(
+            engine=eng, tokenizer=tok, renderer=renderer, index=index, writer=writer, metrics=metrics,
+            max_tokens_cap=settings.max_tokens, parser=settings.parser,
+        )
+        names = {settings.model_name, *(a for a in settings.model_aliases if a != "*")}
+        app.state.clawgate = AppState(
+            settings=settings, engine=eng, tokenizer=tok, renderer=renderer, index=index, writer=writer,
+            metrics=metrics, service=service, model_names=frozenset(names),
+            accept_any_model="*" in settings.model_aliases, started_at=time.time(),
+        )
+        log.info("clawgate %s serving %s (engine %s, context %d tokens)", __version__, settings.model_name,
+                 eng.name, eng.max_model_len)
+        try:
+            yield
+        finally:
+            await eng.close()
+            await writer.close(timeout=30.0)
+
+    app = FastAPI(title="clawgate", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.include_router(openai_api.router)
+    app.include_router(system_api.router)
+    install_error_handlers(app)
+    return app
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    def respond(exc: APIError) -> JSONResponse:
+        try:
+            app.state.clawgate.metrics.errors.labels(exc.type).inc()
+        except AttributeError:
+            pass
+        return JSONResponse(exc.to_dict(), status_code=exc.status_code)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return respond(exc)
+
+    @app.exception_handler(ValidationError)
+    async def model_validation_error(request: Request, exc: ValidationError) -> JSONResponse:
+        return respond(_validation_to_bad_request(exc.errors()))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return respond(_validation_to_bad_request(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        from gateway import errors
+
+        cls = {400: errors.BadRequest, 401: errors.Unauthorized, 403: errors.Forbidden, 404: errors.NotFound,
+               429: errors.RateLimited}.get(exc.status_code)
+        if cls is None:
+            err = APIError(str(exc.detail))
+            err.status_code = exc.status_code
+            return respond(err)
+        message = f"{request.method} {request.url.path} not found" if exc.status_code == 404 else str(exc.detail)
+        return respond(cls(message))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return respond(APIError("internal server error"))
+
+
+def _validation_to_bad_request(errors: Any) -> BadRequest:
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    return BadRequest(f"{param or 'request'}: {first.get('msg', 'invalid request')}", param=param)

@@ -1,0 +1,151 @@
+"""The `clawgate` command.
+
+    clawgate serve        run the gateway (engine: local in-process model, or a vLLM server)
+    clawgate up           embedded mode: migrate the database, build the tiny model if needed, serve
+    clawgate db upgrade   bring the database schema to the newest migration (also: downgrade, current)
+    clawgate tiny-model   build the small local test model
+
+Every flag has a ``CLAWGATE_*`` environment variable; a flag given on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gateway.settings import DEFAULT_DATA_DIR, Settings
+
+log = logging.getLogger("clawgate")
+
+
+def _serve_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=["local", "vllm"], help="serving engine (CLAWGATE_ENGINE)")
+    p.add_argument("--model", help="model folder or hub id; tokenizer and chat template come from it (CLAWGATE_MODEL)")
+    p.add_argument("--served-model-name", help="name clients send as `model` (CLAWGATE_SERVED_MODEL_NAME)")
+    p.add_argument("--vllm-url", help="vLLM server URL for --engine vllm (CLAWGATE_VLLM_URL)")
+    p.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
+    p.add_argument("--host", help="bind address (CLAWGATE_HOST)")
+    p.add_argument("--port", type=int, help="port (CLAWGATE_PORT)")
+    p.add_argument("--max-tokens", type=int, help="server-side generation cap (CLAWGATE_MAX_TOKENS)")
+    p.add_argument("--log-level", help="debug, info, warning (CLAWGATE_LOG_LEVEL)")
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {}
+    for name in ("engine", "model", "served_model_name", "vllm_url", "database_url", "host", "port",
+                 "max_tokens", "log_level"):
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides[name] = value
+    return Settings(**overrides)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import build_app
+
+    settings = _settings(args)
+    _setup_logging(settings.log_level)
+    app = build_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                access_log=False)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from gateway.store import db
+
+    settings = _settings(args)
+    _setup_logging(settings.log_level)
+    model_dir = Path(settings.model)
+    if settings.engine == "local" and not model_dir.exists():
+        if model_dir.resolve() != (DEFAULT_DATA_DIR / "tiny-model").resolve():
+            print(f"error: model folder {model_dir} does not exist", file=sys.stderr)
+            return 2
+        _build_tiny(model_dir)
+    print(f"migrating {settings.database_url} ...", file=sys.stderr)
+    db.upgrade(settings.database_url)
+    return cmd_serve(args)
+
+
+def cmd_db(args: argparse.Namespace) -> int:
+    from gateway.store import db
+
+    url = args.database_url or Settings().database_url
+    if args.action == "upgrade":
+        db.upgrade(url, args.revision or "head")
+        print(f"database at {db.current_revision(url)}")
+    elif args.action == "downgrade":
+        if not args.revision:
+            print("error: downgrade needs a revision (e.g. base)", file=sys.stderr)
+            return 2
+        db.downgrade(url, args.revision)
+        print(f"database at {db.current_revision(url) or 'base'}")
+    else:
+        print(db.current_revision(url) or "base")
+    return 0
+
+
+def _build_tiny(out: Path, seed: int = 0) -> None:
+    from gateway.tiny_model import build_tiny_model
+
+    t0 = time.perf_counter()
+    print(f"building tiny model in {out} ...", file=sys.stderr)
+    build_tiny_model(out, seed=seed, progress=lambda msg: print(f"  {msg}", file=sys.stderr))
+    print(f"built {out} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    out = Path(args.dir)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        print(f"error: {out} exists and is not empty (use --force to rebuild)", file=sys.stderr)
+        return 2
+    _build_tiny(out, seed=args.seed)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clawgate", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway")
+    _serve_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    up = sub.add_parser("up", help="embedded mode: migrate, build the tiny model if needed, serve")
+    _serve_flags(up)
+    up.set_defaults(func=cmd_up)
+
+    dbp = sub.add_parser("db", help="database schema")
+    dbp.add_argument("action", choices=["upgrade", "downgrade", "current"])
+    dbp.add_argument("revision", nargs="?", help="target revision (default head; `base` to downgrade all)")
+    dbp.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
+    dbp.set_defaults(func=cmd_db)
+
+    tiny = sub.add_parser("tiny-model", help="build the small local model used by tests and the demo")
+    tiny.add_argument("dir")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--force", action="store_true", help="overwrite a non-empty folder")
+    tiny.set_defaults(func=cmd_tiny_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

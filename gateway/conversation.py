@@ -1,0 +1,140 @@
+"""The one internal request model that every public API (chat completions, Anthropic messages, responses)
+translates to, and the normalization used to recognise a harness's echo of an earlier answer.
+
+Rendering, token-in-token-out splicing, parsing, capture and rollout grouping work only on these types, so they
+behave the same whichever protocol a harness speaks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text as the model wrote it (or as the harness echoed it)
+    id: str | None = None
+
+
+@dataclass(slots=True)
+class Message:
+    role: Role
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """The message in the shape Hugging Face chat templates expect."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        if self.reasoning:
+            out["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": tc.id or f"call_{i}",
+                    "type": "function",
+                    "function": {"name": tc.name, "arguments": _arguments_for_template(tc.arguments)},
+                }
+                for i, tc in enumerate(self.tool_calls)
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
+
+
+@dataclass(slots=True)
+class ToolSpec:
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            fn["description"] = self.description
+        fn["parameters"] = self.parameters or {"type": "object", "properties": {}}
+        return {"type": "function", "function": fn}
+
+
+def _arguments_for_template(arguments: str) -> Any:
+    # Templates render a dict with `tojson` and a string verbatim; hand them the parsed object when the text is
+    # a JSON object so every template sees the structure it was written for.
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+# --- Echo normalization --------------------------------------------------------------------------------------
+# A harness sends our earlier answers back rewritten: tool-call ids renamed (`call_abc` -> `callabc`), reasoning
+# dropped, JSON arguments re-serialized, content parts merged or split, whitespace trimmed. Two messages are the
+# "same turn" when their normalized forms are equal; the forms ignore exactly those rewrites.
+
+_WS = re.compile(r"\s+")
+
+
+def _norm_text(text: str | None) -> str:
+    return _WS.sub(" ", text or "").strip()
+
+
+def _norm_arguments(arguments: str) -> Any:
+    try:
+        return json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return _norm_text(arguments)
+
+
+def normalized(message: Message) -> str:
+    """A canonical text of what a turn *says*, blind to the rewrites harnesses apply to echoed turns."""
+    body: list[Any] = [message.role, _norm_text(message.content)]
+    if message.tool_calls:
+        body.append([[tc.name, _norm_arguments(tc.arguments)] for tc in message.tool_calls])
+    return json.dumps(body, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def _digest(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+def tools_hash(tools: list[ToolSpec]) -> bytes:
+    canon = json.dumps([t.to_template() for t in tools], sort_keys=True, ensure_ascii=False)
+    return _digest(b"tools\x00", canon.encode())
+
+
+def prefix_hashes(messages: list[Message], tools: list[ToolSpec]) -> list[bytes]:
+    """``out[i]`` identifies the conversation ``messages[: i + 1]`` under ``tools`` (a running hash chain)."""
+    h = tools_hash(tools)
+    out: list[bytes] = []
+    for message in messages:
+        h = _digest(h, normalized(message).encode())
+        out.append(h)
+    return out
+
+
+def extend_hash(previous: bytes, message: Message) -> bytes:
+    return _digest(previous, normalized(message).encode())
+
+
+def output_hash(message: Message) -> bytes:
+    """Identifies an assistant turn by its content alone (to tell "ours, but history differs" from "not ours")."""
+    return _digest(b"out\x00", normalized(message).encode())
+
+
+def exact_hash(raw_message: Any) -> bytes:
+    """Identifies a message exactly as the client sent it (for storing request bodies as deltas)."""
+    return _digest(json.dumps(raw_message, sort_keys=True, ensure_ascii=False).encode())

@@ -1,0 +1,82 @@
+"""The engine interface: token ids in, token ids and sampled-token logprobs out.
+
+An engine knows nothing about chat formats or tools; the gateway renders prompts to ids before it calls one
+and parses the text afterwards. Two implementations: ``vllm`` (HTTP client to a vLLM server) and ``local``
+(in-process transformers + PEFT, for CPU development, the demo and tests).
+
+Streaming contract: ``generate`` is an async iterator that yields zero or more ``TokenDelta`` and then exactly
+one ``GenerationEnd``; every sampled token appears in exactly one delta, with its logprob under the
+distribution it was sampled from (after temperature/top-k/top-p processing). Errors are raised as
+``gateway.errors.APIError`` subclasses. Closing the iterator early (``aclose``) aborts the generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k (never the transformers default of 50: logprobs must match sampling)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings; the engine stops after the token that completes one
+    stop_token_ids: tuple[int, ...] = ()  # extra ids that end generation (besides the model's EOS ids)
+    top_logprobs: int = 0  # alternatives per position to report (0: only the sampled token's logprob)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: str | None = None  # name of a loaded LoRA adapter; None runs the base model
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    token_ids: list[int]
+    logprobs: list[float]  # one per token: log p(sampled token)
+    # One dict per token when top_logprobs > 0: token id -> logprob of the top alternatives.
+    top_logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class GenerationEnd:
+    finish_reason: FinishReason
+    # What ended it: the stop string, or the stop/EOS token id; None for length.
+    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+    # Engine-side timings in seconds, when the engine reports them.
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+GenerationEvent = TokenDelta | GenerationEnd
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the gateway needs from a serving engine."""
+
+    name: str  # "local" or "vllm"
+    max_model_len: int  # context window in tokens (prompt + completion)
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]: ...
+
+    async def load_adapter(self, name: str, path: str) -> None: ...
+
+    async def unload_adapter(self, name: str) -> None: ...
+
+    async def adapters(self) -> list[str]: ...
+
+    async def health(self) -> bool: ...

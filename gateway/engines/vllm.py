@@ -1,0 +1,371 @@
+"""vLLM engine: an httpx client of a vLLM (0.32) OpenAI-compatible server, token ids in and token ids out.
+
+Every generation is one streamed ``POST /v1/completions`` whose ``prompt`` is the token id list the gateway
+rendered. vLLM is asked for the sampled ids (``return_token_ids``) and their logprobs with ids as keys
+(``return_tokens_as_token_ids``); its own text output is ignored, because the gateway detokenizes the ids itself.
+vLLM still detokenizes internally (stop strings are matched on its text), with ``skip_special_tokens`` off so a
+stop string is matched on the same text the local engine matches it on.
+
+Behaviour of vLLM 0.32 this client relies on, checked against a running server:
+
+- ``choices[].token_ids`` holds every sampled id, including the EOS or stop token that ended the generation
+  (vLLM only leaves it out of the *text*); the token that completes a stop string is the last one sent, and
+  tokens sampled after it in the same step are dropped. So no id has to be appended here.
+- ``stop_reason`` is ``null`` when the model's primary EOS id (the tokenizer's ``eos_token_id``) ended the
+  generation, the id for any other stop token, the string for a stop string. ``GenerationEnd.stop_reason``
+  reports the last sampled id in the first case, as the local engine does.
+- Logprobs are processed (after temperature, top-k and top-p) only when the server runs with
+  ``--logprobs-mode processed_logprobs`` (``VLLMServer`` passes it); at temperature 0 they are the raw,
+  unscaled logprobs. Tokens outside the top-k/top-p set have logprob -inf, which vLLM serializes as -9999.0;
+  such alternatives are dropped from ``top_logprobs``.
+- ``logprobs: N`` returns the sampled token plus the N most likely ones, so ``top_logprobs`` keeps the N best.
+- A prompt of exactly ``max_model_len`` tokens is rejected as "max_tokens must be at least 1", and
+  ``max_tokens > max_model_len`` is a 400, while a smaller ``max_tokens`` that does not fit is silently clamped.
+  The client therefore checks the prompt length and clamps ``max_tokens`` itself, like the local engine.
+- Without ``--generation-config vllm`` the server fills unset sampling fields (repetition penalty, min_p, …)
+  from the model's ``generation_config.json``; every field that changes the distribution is sent explicitly.
+- Closing the stream closes the connection, and vLLM aborts a request whose client disconnected.
+
+Errors map onto ``gateway.errors``: a 400 about the context length → ``ContextTooLong``, other 400/422 →
+``BadRequest``, 404 → ``NotFound``, 429 → ``RateLimited``, 503 → ``EngineUnavailable``, other statuses →
+``EngineError``; connection failures → ``EngineUnavailable``, timeouts → ``EngineTimeout``; an error event in the
+stream → ``EngineError``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import httpx
+
+from gateway.engines.base import (
+    FinishReason,
+    GenerationEnd,
+    GenerationEvent,
+    GenerationRequest,
+    TokenDelta,
+)
+from gateway.errors import (
+    APIError,
+    BadRequest,
+    ContextTooLong,
+    EngineError,
+    EngineTimeout,
+    EngineUnavailable,
+    NotFound,
+    RateLimited,
+)
+
+logger = logging.getLogger(__name__)
+
+# vLLM writes -inf logprobs (tokens removed by top-k/top-p) as this value, since JSON has no infinity.
+_VLLM_NEG_INF = -9999.0
+_TOKEN_ID_PREFIX = "token_id:"
+_FINISH_REASONS: dict[str, FinishReason] = {
+    "stop": "stop",
+    "length": "length",
+    "abort": "abort",
+    # Only produced with `repetition_detection`, which this client never sets.
+    "repetition": "stop",
+}
+_CONTEXT_MARKERS = ("maximum context length", "too long")
+
+
+class VLLMEngine:
+    """``Engine`` backed by a vLLM server at ``base_url`` (without the ``/v1`` suffix) serving ``model``.
+
+    ``eos_token_ids`` are the ids that end a turn for this model (the tokenizer's EOS and, for chat models, the
+    generation config's extra ones). They are sent as ``stop_token_ids`` on every request, so generation stops on
+    them whether or not the server read the model's generation config. ``client`` lets a caller share one
+    ``httpx.AsyncClient`` (it is then not closed by ``close``); otherwise ``start`` creates one sized for
+    ``max_connections`` concurrent streams.
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str,
+        client: httpx.AsyncClient | None = None,
+        timeout: float = 600.0,
+        max_model_len: int | None = None,
+        api_key: str | None = None,
+        eos_token_ids: Iterable[int] = (),
+        max_connections: int = 512,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.max_model_len = max_model_len or 0
+        self.eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        self._requested_max_model_len = max_model_len
+        self._client = client
+        self._owns_client = client is None
+        self._timeout = timeout
+        self._connect_timeout = connect_timeout
+        self._max_connections = max_connections
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                # `read` bounds the gap between two stream chunks, so a long generation is fine while a stalled
+                # server is not; a refused or hanging connect fails fast.
+                timeout=httpx.Timeout(self._timeout, connect=self._connect_timeout),
+                limits=httpx.Limits(
+                    max_connections=self._max_connections,
+                    max_keepalive_connections=min(self._max_connections, 64),
+                ),
+            )
+            self._owns_client = True
+        if self._requested_max_model_len is None:
+            self.max_model_len = await self._served_max_model_len()
+
+    async def close(self) -> None:
+        if self._client is not None and self._owns_client:
+            await self._client.aclose()
+            self._client = None
+
+    async def health(self) -> bool:
+        try:
+            response = await self._http.get(f"{self.base_url}/health", headers=self._headers, timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    # ---- generation ------------------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        body = self._completion_body(request)
+        http = self._http
+        finish: FinishReason | None = None
+        stop_reason: str | int | None = None
+        last_token: int | None = None
+        prompt_tokens = len(request.prompt_ids)
+        timings: dict[str, float] = {}
+        try:
+            async with http.stream(
+                "POST", f"{self.base_url}/v1/completions", json=body, headers=self._headers
+            ) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise _error_from_response(response)
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:") :].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise EngineError(f"vLLM failed during generation: {_error_message(chunk)}")
+                    for choice in chunk.get("choices") or ():
+                        delta = _token_delta(choice, request.params.top_logprobs)
+                        if delta is not None:
+                            last_token = delta.token_ids[-1]
+                            yield delta
+                        if choice.get("finish_reason") is not None:
+                            finish = _FINISH_REASONS.get(choice["finish_reason"], "stop")
+                            stop_reason = choice.get("stop_reason")
+                    usage = chunk.get("usage")
+                    if usage:
+                        prompt_tokens = int(usage.get("prompt_tokens", prompt_tokens))
+                        timings = _timings(chunk.get("metrics"))
+        except httpx.TimeoutException as exc:
+            if isinstance(exc, httpx.ConnectTimeout):
+                raise EngineUnavailable(f"vLLM at {self.base_url} did not accept a connection") from exc
+            raise EngineTimeout(f"vLLM at {self.base_url} timed out: {type(exc).__name__}") from exc
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(f"vLLM at {self.base_url} is unreachable: {exc!r}") from exc
+        if finish is None:
+            raise EngineError("vLLM ended the stream without a finish reason")
+        if finish == "stop" and stop_reason is None:
+            # The primary EOS id: vLLM reports no stop_reason for it, but it is the last id it sent.
+            stop_reason = last_token
+        yield GenerationEnd(
+            finish_reason=finish, stop_reason=stop_reason, prompt_tokens=prompt_tokens, timings=timings
+        )
+
+    def _completion_body(self, request: GenerationRequest) -> dict[str, Any]:
+        params = request.params
+        prompt = request.prompt_ids
+        if not prompt:
+            raise BadRequest("the prompt is empty", param="prompt")
+        max_tokens = params.max_tokens
+        if self.max_model_len:
+            remaining = self.max_model_len - len(prompt)
+            if remaining < 1:
+                raise ContextTooLong(
+                    f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                    f"{len(prompt)} tokens, which leaves no room for a completion."
+                )
+            max_tokens = min(max_tokens, remaining)
+        stop_token_ids = list(dict.fromkeys((*self.eos_token_ids, *params.stop_token_ids)))
+        body: dict[str, Any] = {
+            "model": request.adapter or self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            # 0 disables top-k in vLLM as here (-1 is accepted too).
+            "top_k": params.top_k,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "stop": list(params.stop),
+            "stop_token_ids": stop_token_ids,
+            "logprobs": params.top_logprobs,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            # vLLM appends a random suffix internally, so a repeated id cannot collide there.
+            "request_id": request.request_id,
+        }
+        if params.seed is not None:
+            body["seed"] = params.seed
+        return body
+
+    # ---- adapters --------------------------------------------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        response = await self._request(
+            "POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}
+        )
+        if response.status_code < 400:
+            return
+        error = _error_from_response(response)
+        # Loading the same name from the same folder again (say, after a gateway restart) is a no-op; a new
+        # folder under an old name is refused, because vLLM's prefix cache would mix the two weights.
+        if isinstance(error, BadRequest) and "already been loaded" in error.message:
+            if await self._adapter_path(name) == str(path):
+                return
+        raise error
+
+    async def unload_adapter(self, name: str) -> None:
+        response = await self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+        if response.status_code >= 400:
+            raise _error_from_response(response)
+
+    async def adapters(self) -> list[str]:
+        return [card["id"] for card in await self._model_cards() if card.get("parent")]
+
+    # ---- helpers ---------------------------------------------------------------------------------------------
+
+    @property
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise EngineUnavailable("the vLLM engine is not started")
+        return self._client
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return await self._http.request(method, f"{self.base_url}{path}", headers=self._headers, **kwargs)
+        except httpx.TimeoutException as exc:
+            if isinstance(exc, httpx.ConnectTimeout):
+                raise EngineUnavailable(f"vLLM at {self.base_url} did not accept a connection") from exc
+            raise EngineTimeout(f"vLLM at {self.base_url} timed out on {path}") from exc
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(f"vLLM at {self.base_url} is unreachable: {exc!r}") from exc
+
+    async def _model_cards(self) -> list[dict[str, Any]]:
+        response = await self._request("GET", "/v1/models")
+        if response.status_code >= 400:
+            raise _error_from_response(response)
+        cards: list[dict[str, Any]] = response.json().get("data", [])
+        return cards
+
+    async def _served_max_model_len(self) -> int:
+        for card in await self._model_cards():
+            if card.get("id") == self.model and card.get("max_model_len"):
+                return int(card["max_model_len"])
+        raise NotFound(f"vLLM at {self.base_url} does not serve a base model named {self.model!r}", param="model")
+
+    async def _adapter_path(self, name: str) -> str | None:
+        for card in await self._model_cards():
+            if card.get("id") == name and card.get("parent"):
+                root: str | None = card.get("root")
+                return root
+        return None
+
+
+def _token_delta(choice: dict[str, Any], top_logprobs: int) -> TokenDelta | None:
+    token_ids = [int(t) for t in choice.get("token_ids") or ()]
+    if not token_ids:
+        return None
+    logprobs = choice.get("logprobs") or {}
+    values = logprobs.get("token_logprobs") or []
+    if len(values) != len(token_ids):
+        raise EngineError(f"vLLM sent {len(token_ids)} token ids with {len(values)} logprobs")
+    tops: list[dict[int, float]] | None = None
+    if top_logprobs > 0:
+        tops = []
+        for step in logprobs.get("top_logprobs") or [None] * len(token_ids):
+            candidates = [
+                (int(key.removeprefix(_TOKEN_ID_PREFIX)), float(value))
+                for key, value in (step or {}).items()
+                if value > _VLLM_NEG_INF
+            ]
+            # The sampled token is listed too, even when it is not among the best `top_logprobs`.
+            candidates.sort(key=lambda item: item[1], reverse=True)
+            tops.append(dict(candidates[:top_logprobs]))
+    return TokenDelta(token_ids=token_ids, logprobs=[float(v) for v in values], top_logprobs=tops)
+
+
+def _timings(metrics: dict[str, Any] | None) -> dict[str, float]:
+    """Per-request timings in seconds, present when the server runs with ``--enable-per-request-metrics``."""
+    if not metrics:
+        return {}
+    names = {"queue_time_ms": "queue", "time_to_first_token_ms": "prefill", "generation_time_ms": "decode"}
+    return {name: float(metrics[key]) / 1000 for key, name in names.items() if metrics.get(key) is not None}
+
+
+def _error_message(payload: Any) -> str:
+    if isinstance(payload, dict):
+        error = payload.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        if "detail" in payload:  # FastAPI's own errors (unknown route, body validation)
+            return str(payload["detail"])
+    return str(payload)
+
+
+def _error_from_response(response: httpx.Response) -> APIError:
+    try:
+        payload: Any = response.json()
+    except ValueError:
+        payload = response.text
+    message = _error_message(payload)
+    status = response.status_code
+    if status in (400, 422):
+        if any(marker in message.lower() for marker in _CONTEXT_MARKERS):
+            return ContextTooLong(message)
+        param = payload.get("error", {}).get("param") if isinstance(payload, dict) else None
+        return BadRequest(message, param=param if isinstance(param, str) else None)
+    if status == 404:
+        if message == "Not Found":
+            message = (
+                f"vLLM has no route {response.request.url.path} (runtime LoRA loading needs "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True on the server)"
+            )
+        return NotFound(message, param="model", code="model_not_found")
+    if status == 429:
+        return RateLimited(message)
+    if status == 503:
+        return EngineUnavailable(f"vLLM is unavailable: {message}")
+    if status in (401, 403):
+        # The harness's credentials are fine; the gateway's key for vLLM is not.
+        return EngineError(f"vLLM refused the gateway's credentials ({status}): {message}")
+    return EngineError(f"vLLM answered {status}: {message}")

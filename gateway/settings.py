@@ -1,0 +1,92 @@
+"""Process settings: one pydantic-settings class, every field also an env var ``CLAWGATE_<NAME>``.
+
+Nothing else in the project reads the environment; the CLI builds a ``Settings`` from env and flags and passes it
+down.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+DEFAULT_DATA_DIR = Path(".clawgate")
+PLACEHOLDER_SECRETS = {"changeme", "change-me", "secret", "admin", "password", "sk-xxx", ""}
+
+
+def _split_csv(value: object) -> object:
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CLAWGATE_", extra="ignore")
+
+    environment: Literal["development", "production"] = "development"
+
+    # Serving
+    host: str = "127.0.0.1"
+    port: int = 8080
+    engine: Literal["local", "vllm"] = "local"
+    # A local folder or a hub id; the tokenizer and chat template always come from it.
+    model: str = str(DEFAULT_DATA_DIR / "tiny-model")
+    # Name clients send as `model`; defaults to the model folder's name.
+    served_model_name: str | None = None
+    # Extra names accepted as `model` (harnesses often send their own model names); "*" accepts any name.
+    model_aliases: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    vllm_url: str = "http://127.0.0.1:8000"
+    # The base model's name on the vLLM server (defaults to `model`).
+    vllm_model: str | None = None
+    # Interpreter of a vLLM install (for `--engine vllm` started by clawgate, and for tests).
+    vllm_python: str | None = None
+    vllm_timeout: float = 600.0
+    local_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Tool-call/reasoning parser family for the model's output.
+    parser: str = "hermes"
+    # Server-side generation cap: a request asking for more gets at most this many tokens.
+    max_tokens: int = Field(default=4096, ge=1)
+
+    # Store
+    database_url: str = "sqlite:///./clawgate.db"
+    data_dir: Path = DEFAULT_DATA_DIR
+    capture_batch_size: int = Field(default=256, ge=1)
+    capture_flush_interval: float = Field(default=0.02, gt=0)
+    capture_max_queue: int = Field(default=100_000, ge=1)
+
+    # Rollout grouping: an implicit session closes after this many idle seconds.
+    session_idle_timeout: float = Field(default=1800.0, gt=0)
+
+    # Auth
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    admin_key: SecretStr | None = None
+
+    log_level: str = "info"
+
+    @field_validator("api_keys", "model_aliases", mode="before")
+    @classmethod
+    def _csv(cls, value: object) -> object:
+        return _split_csv(value)
+
+    @model_validator(mode="after")
+    def _production_secrets(self) -> Settings:
+        if self.environment == "production":
+            if not self.api_keys:
+                raise ValueError("CLAWGATE_API_KEYS must be set in production")
+            if self.admin_key is None or self.admin_key.get_secret_value().lower() in PLACEHOLDER_SECRETS:
+                raise ValueError("CLAWGATE_ADMIN_KEY must be set to a real secret in production")
+            weak = [k for k in self.api_keys if k.lower() in PLACEHOLDER_SECRETS]
+            if weak:
+                raise ValueError("CLAWGATE_API_KEYS contains a placeholder key")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use for the base policy."""
+        if self.served_model_name:
+            return self.served_model_name
+        path = Path(self.model).expanduser()
+        looks_local = path.exists() or self.model.startswith((".", "/", "~"))
+        return path.name if looks_local else self.model

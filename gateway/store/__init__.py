@@ -1,0 +1,47 @@
+"""The store: what the gateway records (rollouts, calls, rewards, policy versions) and how it gets there.
+
+- ``models``: the SQLAlchemy tables (created only by the Alembic migrations in ``migrations/``).
+- ``codec``: token ids, logprobs and request bodies in their compact stored forms.
+- ``db``: engines for SQLite and Postgres, and the migration commands.
+- ``writer``: ``CallWriter``, the non-blocking, batching, never-losing capture writer.
+- ``repo``: reads, including a call's full prompt and request rebuilt from parent deltas.
+"""
+
+from gateway.store.db import current_revision, downgrade, head_revision, make_engine, normalize_url, upgrade
+from gateway.store.models import Base, Call, PolicyVersion, Reward, Rollout
+from gateway.store.repo import (
+    CallCache,
+    calls_for_rollout,
+    full_prompt_array,
+    full_prompt_ids,
+    full_request,
+    get_call,
+    latest_call_by_tail_hash,
+)
+from gateway.store.writer import CallRecord, CallWriter, RewardRecord, RolloutRecord, WriterStats
+
+__all__ = [
+    "Base",
+    "Call",
+    "CallCache",
+    "CallRecord",
+    "CallWriter",
+    "PolicyVersion",
+    "Reward",
+    "RewardRecord",
+    "Rollout",
+    "RolloutRecord",
+    "WriterStats",
+    "calls_for_rollout",
+    "current_revision",
+    "downgrade",
+    "full_prompt_array",
+    "full_prompt_ids",
+    "full_request",
+    "get_call",
+    "head_revision",
+    "latest_call_by_tail_hash",
+    "make_engine",
+    "normalize_url",
+    "upgrade",
+]

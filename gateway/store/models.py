@@ -1,0 +1,178 @@
+"""SQLAlchemy models of what the gateway records: rollouts, calls, rewards and policy versions.
+
+The schema is created and changed only by the Alembic migrations in ``migrations/``; these classes describe
+it for queries and for the test that checks the migrated schema still matches them. Token arrays are stored
+packed (``codec.py``): a call's prompt is kept as a delta against its parent call's prompt + completion, so a
+rollout's storage grows with its unique tokens, not with turns².
+
+Timestamps are UTC and timezone-aware on the way in and out, also on SQLite, which stores them without an
+offset.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+# Named constraints keep migrations reproducible across dialects (SQLite batch mode alters them by name).
+NAMING_CONVENTION: dict[str, str] = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class UTCDateTime(sa.types.TypeDecorator[dt.datetime]):
+    """``DateTime(timezone=True)`` that always binds UTC and always returns aware UTC datetimes.
+
+    SQLite drops the offset, so values are converted to UTC before binding (which also keeps its text
+    representation sortable, as the rollout upsert's ``max(updated_at, ...)`` relies on); naive values are
+    taken to be UTC already.
+    """
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: sa.Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=dt.UTC)
+        return value.astimezone(dt.UTC)
+
+    def process_result_value(self, value: dt.datetime | None, dialect: sa.Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=dt.UTC)
+        return value.astimezone(dt.UTC)
+
+
+# SQL NULL (not JSON 'null') for a missing value, so COALESCE in the rollout upsert can fill it later.
+JSONValue = sa.JSON(none_as_null=True)
+
+
+class Base(DeclarativeBase):
+    metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Rollout(Base):
+    """One episode of one harness on one task (opened explicitly, or grouped implicitly by prefix match)."""
+
+    __tablename__ = "rollouts"
+
+    id: Mapped[str] = mapped_column(sa.String(40), primary_key=True)
+    kind: Mapped[str] = mapped_column(sa.String)  # "explicit" | "implicit"
+    task_id: Mapped[str | None] = mapped_column(sa.String)
+    harness: Mapped[str | None] = mapped_column(sa.String)
+    # The GRPO baseline group: a task–harness pair.
+    group_key: Mapped[str | None] = mapped_column(sa.String, index=True)
+    # "open" | "completed" | "failed" | "aborted"
+    status: Mapped[str] = mapped_column(sa.String, default="open", server_default="open")
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSONValue)
+    api_key_hash: Mapped[str | None] = mapped_column(sa.String)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # Time of the latest activity; the trainer looks for rollouts by (status, updated_at).
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+
+    calls: Mapped[list[Call]] = relationship(
+        back_populates="rollout", order_by="Call.started_at", viewonly=True
+    )
+    rewards: Mapped[list[Reward]] = relationship(back_populates="rollout", viewonly=True)
+
+    __table_args__ = (sa.Index("ix_rollouts_status_updated_at", "status", "updated_at"),)
+
+
+class Call(Base):
+    """One model invocation at the serving boundary, with its exact tokens and sampled-token logprobs.
+
+    Full prompt = (parent's full prompt + parent's completion)[:prompt_prefix_len] + prompt_delta.
+    Full request messages = parent's full request messages[:request_prefix_messages] + stored messages.
+    ``repo.py`` reconstructs both.
+    """
+
+    __tablename__ = "calls"
+
+    id: Mapped[str] = mapped_column(sa.String(40), primary_key=True)
+    # The API response id, shared by the n choices of one request.
+    request_id: Mapped[str] = mapped_column(sa.String, index=True)
+    choice_index: Mapped[int] = mapped_column(sa.Integer, default=0)
+    # Indexed through ix_calls_rollout_id_started_at (a leading column serves lookups by rollout alone).
+    rollout_id: Mapped[str] = mapped_column(sa.String(40), sa.ForeignKey("rollouts.id"))
+    api: Mapped[str] = mapped_column(sa.String)  # "chat" | "completions" | "messages" | "responses"
+    model: Mapped[str] = mapped_column(sa.String)
+    adapter: Mapped[str | None] = mapped_column(sa.String)
+    policy_version: Mapped[int | None] = mapped_column(sa.Integer)
+    engine: Mapped[str] = mapped_column(sa.String)
+    status: Mapped[str] = mapped_column(sa.String)  # "ok" | "failed" | "cancelled"
+    error: Mapped[str | None] = mapped_column(sa.Text)
+    finish_reason: Mapped[str | None] = mapped_column(sa.String)
+    render_mode: Mapped[str] = mapped_column(sa.String)  # "fresh" | "spliced" | "drifted" | "raw"
+    is_subagent: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default=sa.false())
+    agent_id: Mapped[str | None] = mapped_column(sa.String)
+
+    # zlib JSON of the request body, its message list cut to the messages after request_prefix_messages.
+    request: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    request_prefix_messages: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
+
+    parent_call_id: Mapped[str | None] = mapped_column(sa.String(40), sa.ForeignKey("calls.id"), index=True)
+    prompt_prefix_len: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
+    prompt_delta: Mapped[bytes] = mapped_column(sa.LargeBinary)  # little-endian uint32 token ids
+    prompt_len: Mapped[int] = mapped_column(sa.Integer)
+    completion_ids: Mapped[bytes] = mapped_column(sa.LargeBinary)  # little-endian uint32
+    completion_logprobs: Mapped[bytes] = mapped_column(sa.LargeBinary)  # little-endian float32
+    completion_len: Mapped[int] = mapped_column(sa.Integer)
+
+    # Hash of the conversation after this call; finds the parent of the next call after a restart.
+    tail_hash: Mapped[str | None] = mapped_column(sa.String(32), index=True)
+    started_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+    ended_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+    ttft_ms: Mapped[float | None] = mapped_column(sa.Float)
+    engine_ms: Mapped[float | None] = mapped_column(sa.Float)
+    gateway_ms: Mapped[float | None] = mapped_column(sa.Float)
+
+    rollout: Mapped[Rollout] = relationship(back_populates="calls", viewonly=True)
+
+    __table_args__ = (sa.Index("ix_calls_rollout_id_started_at", "rollout_id", "started_at"),)
+
+
+class Reward(Base):
+    """A scalar reward for a rollout (or one call of it), from a verifier, feedback endpoint or judge."""
+
+    __tablename__ = "rewards"
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    rollout_id: Mapped[str] = mapped_column(sa.String(40), sa.ForeignKey("rollouts.id"), index=True)
+    call_id: Mapped[str | None] = mapped_column(sa.String(40), sa.ForeignKey("calls.id"))
+    value: Mapped[float] = mapped_column(sa.Float)
+    source: Mapped[str | None] = mapped_column(sa.String)
+    details: Mapped[dict[str, Any] | None] = mapped_column(JSONValue)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    rollout: Mapped[Rollout] = relationship(back_populates="rewards", viewonly=True)
+
+
+class PolicyVersion(Base):
+    """A LoRA adapter the trainer published (``policy@vN``) and whether engines serve it."""
+
+    __tablename__ = "policy_versions"
+
+    version: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=False)
+    adapter_name: Mapped[str] = mapped_column(sa.String, unique=True)
+    path: Mapped[str] = mapped_column(sa.String)
+    base_model: Mapped[str] = mapped_column(sa.String)
+    status: Mapped[str] = mapped_column(sa.String)  # "published" | "loaded" | "retired"
+    is_current: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default=sa.false())
+    step: Mapped[int | None] = mapped_column(sa.Integer)
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSONValue)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -1,0 +1,1 @@
+"""Migration scripts, one per schema revision (a package so that installs ship them)."""

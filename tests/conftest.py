@@ -1,0 +1,148 @@
+"""Shared fixtures: the tiny model (built once per test session), databases, and a live gateway server."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+
+from gateway.app import build_app
+from gateway.settings import Settings
+from gateway.store import db
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from gateway.tiny_model import build_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny") / "tiny-model"
+    build_tiny_model(out, seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'clawgate.db'}"
+    db.upgrade(url)
+    return url
+
+
+@dataclass
+class LiveGateway:
+    url: str  # base URL, e.g. http://127.0.0.1:PORT
+    app: Any
+    server: uvicorn.Server
+    settings: Settings
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.clawgate
+
+    def flush(self) -> None:
+        """Wait until every captured call is committed."""
+        import asyncio
+
+        fut = asyncio.run_coroutine_threadsafe(self.state.writer.flush(), self.loop)
+        fut.result(timeout=30)
+
+    loop: Any = None
+
+
+def start_gateway(settings: Settings, engine: Any = None, tokenizer: Any = None) -> LiveGateway:
+    app = build_app(settings, engine=engine, tokenizer=tokenizer)
+    config = uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    gw = LiveGateway(url=f"http://127.0.0.1:{settings.port}", app=app, server=server, settings=settings)
+
+    def run() -> None:
+        import asyncio
+
+        loop = asyncio.new_event_loop()
+        gw.loop = loop
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(server.serve())
+
+    thread = threading.Thread(target=run, daemon=True, name="gateway")
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("gateway failed to start")
+        time.sleep(0.02)
+    gw._thread = thread  # type: ignore[attr-defined]
+    return gw
+
+
+def stop_gateway(gw: LiveGateway) -> None:
+    gw.server.should_exit = True
+    gw._thread.join(timeout=60)  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def gateway_factory(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Any]:
+    """Start gateways with given settings overrides; all are stopped at the end of the test."""
+    started: list[LiveGateway] = []
+
+    def make(engine: Any = None, tokenizer: Any = None, **overrides: Any) -> LiveGateway:
+        url = overrides.pop("database_url", None)
+        if url is None:
+            url = f"sqlite:///{tmp_path / f'gw{len(started)}.db'}"
+            db.upgrade(url)
+        values: dict[str, Any] = {
+            "model": str(tiny_model_dir),
+            "served_model_name": "tiny",
+            "database_url": url,
+            "port": free_port(),
+            "data_dir": tmp_path / f"data{len(started)}",
+            "max_tokens": 64,
+        }
+        values.update(overrides)
+        gw = start_gateway(Settings(**values), engine=engine, tokenizer=tokenizer)
+        started.append(gw)
+        return gw
+
+    yield make
+    for gw in started:
+        stop_gateway(gw)
+
+
+@pytest.fixture(scope="module")
+def shared_gateway(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[LiveGateway]:
+    """One local-engine gateway for a whole test module (the model loads once)."""
+    tmp = tmp_path_factory.mktemp("gw")
+    url = f"sqlite:///{tmp / 'clawgate.db'}"
+    db.upgrade(url)
+    settings = Settings(model=str(tiny_model_dir), served_model_name="tiny", database_url=url, port=free_port(),
+                        data_dir=tmp / "data", max_tokens=48)
+    gw = start_gateway(settings)
+    yield gw
+    stop_gateway(gw)
+
+
+def postgres_env_url() -> str | None:
+    return os.environ.get("CLAWGATE_TEST_POSTGRES_URL")

@@ -1,0 +1,58 @@
+"""A scripted engine for protocol edge cases a random tiny model cannot produce on demand (tool calls with
+reasoning, engine failures mid-stream). Real-engine tests exist beside every use of it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+
+from gateway.engines.base import GenerationEnd, GenerationEvent, GenerationRequest, TokenDelta
+from gateway.errors import EngineError
+
+
+class ScriptedEngine:
+    name = "scripted"
+
+    def __init__(self, tokenizer, max_model_len: int = 40960) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.scripts: deque[tuple[list[int], int | None]] = deque()
+        self.requests: list[GenerationRequest] = []
+        self.end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def push(self, text: str, *, end: bool = True, fail_after: int | None = None) -> list[int]:
+        """Queue the next completion: ``text`` tokenized (+ the end-of-turn token)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + ([self.end_id] if end else [])
+        self.scripts.append((ids, fail_after))
+        return ids
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        self.requests.append(request)
+        ids, fail_after = self.scripts.popleft() if self.scripts else ([self.end_id], None)
+        ids = ids[: request.params.max_tokens]
+        for i, tid in enumerate(ids):
+            if fail_after is not None and i == fail_after:
+                raise EngineError("scripted failure")
+            await asyncio.sleep(0)
+            yield TokenDelta([tid], [-0.25 - 0.01 * i])
+        finish = "stop" if ids and ids[-1] == self.end_id else "length"
+        yield GenerationEnd(finish, self.end_id if finish == "stop" else None, len(request.prompt_ids))
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        return None
+
+    async def unload_adapter(self, name: str) -> None:
+        return None
+
+    async def adapters(self) -> list[str]:
+        return []
+
+    async def health(self) -> bool:
+        return True

@@ -1,0 +1,420 @@
+"""The vLLM engine against a real vLLM server (CPU build) serving the tiny model.
+
+One server is started for the whole module (about 30 s). Every logprob vLLM reports is checked against a
+transformers (and PEFT) recomputation of the same tokens in float32: these are the behaviour-policy logprobs the
+trainer uses, so they must be the processed ones (after temperature, top-k, top-p), token for token.
+
+The vLLM interpreter comes from ``CLAWGATE_TEST_VLLM_PYTHON`` or ``./.venv-vllm/bin/python``; the module is
+skipped only when neither exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from gateway.engines.base import (  # noqa: E402
+    Engine,
+    GenerationEnd,
+    GenerationRequest,
+    SamplingParams,
+    TokenDelta,
+)
+from gateway.engines.vllm import VLLMEngine  # noqa: E402
+from gateway.engines.vllm_server import VLLMServer, find_vllm_python, free_port  # noqa: E402
+from gateway.errors import (  # noqa: E402
+    BadRequest,
+    ContextTooLong,
+    EngineUnavailable,
+    NotFound,
+)
+
+pytestmark = pytest.mark.vllm
+
+SERVED = "tiny"
+MAX_MODEL_LEN = 512
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPT_TEXT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+TOLERANCE = 1e-3
+
+
+# ---- fixtures ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    python = find_vllm_python(os.environ.get("CLAWGATE_TEST_VLLM_PYTHON"))
+    if python is None or not Path(python).exists():
+        pytest.skip("no vLLM interpreter: set CLAWGATE_TEST_VLLM_PYTHON or create ./.venv-vllm")
+    return python
+
+
+@pytest.fixture(scope="module")
+def server(
+    vllm_python: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VLLMServer]:
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    srv = VLLMServer(
+        vllm_python,
+        tiny_model_dir,
+        served_model_name=SERVED,
+        max_model_len=MAX_MODEL_LEN,
+        dtype="float32",
+        max_loras=2,
+        log_path=log,
+    )
+    srv.start(timeout=300)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> Any:
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def eos_ids(reference: Any) -> list[int]:
+    eos = reference.generation_config.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_tokenizer: Any) -> list[int]:
+    ids: list[int] = tiny_tokenizer.encode(PROMPT_TEXT, add_special_tokens=False)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``policy@v0``: a zero-initialized LoRA (same outputs as the base); ``policy@v1``: the same, perturbed."""
+    root = tmp_path_factory.mktemp("adapters")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS)
+    model = peft.get_peft_model(base, config)
+    model.save_pretrained(root / "v0")
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    model.save_pretrained(root / "v1")
+    return {"v0": root / "v0", "v1": root / "v1"}
+
+
+@pytest.fixture
+async def engine(server: VLLMServer, eos_ids: list[int]) -> AsyncIterator[VLLMEngine]:
+    eng = VLLMEngine(server.url, model=SERVED, eos_token_ids=eos_ids)
+    await eng.start()
+    yield eng
+    await eng.close()
+
+
+# ---- helpers -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[dict[int, float]] = field(default_factory=list)
+    deltas: list[TokenDelta] = field(default_factory=list)
+    end: GenerationEnd | None = None
+
+
+async def run(engine: Engine, prompt: list[int], adapter: str | None = None, **params: Any) -> Result:
+    params.setdefault("max_tokens", 16)
+    request = GenerationRequest(
+        request_id="test", prompt_ids=prompt, params=SamplingParams(**params), adapter=adapter
+    )
+    result = Result()
+    async for event in engine.generate(request):
+        assert result.end is None, "an event arrived after GenerationEnd"
+        if isinstance(event, TokenDelta):
+            assert len(event.token_ids) == len(event.logprobs) > 0
+            result.deltas.append(event)
+            result.ids += event.token_ids
+            result.logprobs += event.logprobs
+            if event.top_logprobs is not None:
+                result.tops += event.top_logprobs
+        else:
+            result.end = event
+    assert result.end is not None, "no GenerationEnd"
+    return result
+
+
+def processed_logprobs(
+    model: Any,
+    prompt: list[int],
+    completion: list[int],
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> torch.Tensor:
+    """Log-probabilities ``[len(completion), vocab]`` after temperature → top-k → top-p, as vLLM samples."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    if top_k > 0:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token once the mass before it already reaches top_p (the one crossing it is kept).
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.log_softmax(logits, dim=-1)
+
+
+def sampled(logprobs: torch.Tensor, completion: list[int]) -> list[float]:
+    values: list[float] = logprobs.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1).tolist()
+    return values
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+async def prometheus(server: VLLMServer, name: str) -> float:
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(f"{server.url}/metrics")).text
+    return sum(float(m) for m in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M))
+
+
+# ---- tests ---------------------------------------------------------------------------------------------------
+
+
+async def test_start_reads_the_context_window_and_health(engine: VLLMEngine) -> None:
+    assert isinstance(engine, Engine)
+    assert engine.max_model_len == MAX_MODEL_LEN
+    assert await engine.health() is True
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 40, 0.9)],
+)
+async def test_streamed_ids_and_processed_logprobs_match_transformers(
+    engine: VLLMEngine, reference: Any, prompt: list[int], temperature: float, top_k: int, top_p: float
+) -> None:
+    result = await run(engine, prompt, max_tokens=24, seed=7, temperature=temperature, top_k=top_k, top_p=top_p)
+    assert result.end is not None
+    assert len(result.ids) == 24 and result.end.finish_reason == "length" and result.end.stop_reason is None
+    assert result.end.prompt_tokens == len(prompt)
+    assert len(result.deltas) > 1, "the completion arrived in one chunk: not streamed"
+    expected = sampled(
+        processed_logprobs(reference, prompt, result.ids, temperature=temperature, top_k=top_k, top_p=top_p),
+        result.ids,
+    )
+    assert max_diff(result.logprobs, expected) < TOLERANCE
+    if temperature != 1.0:
+        # Processed, not raw: the temperature-1 logprobs of the same tokens are clearly different.
+        raw = sampled(processed_logprobs(reference, prompt, result.ids), result.ids)
+        assert max_diff(result.logprobs, raw) > 0.05
+    # The server reports engine-side timings (it runs with --enable-per-request-metrics).
+    assert result.end.timings.get("decode", -1) >= 0 and result.end.timings.get("prefill", -1) >= 0
+
+
+async def test_top_logprobs_are_the_best_alternatives(
+    engine: VLLMEngine, reference: Any, prompt: list[int]
+) -> None:
+    result = await run(engine, prompt, max_tokens=6, seed=3, top_logprobs=4)
+    assert len(result.tops) == len(result.ids) == 6
+    expected = processed_logprobs(reference, prompt, result.ids)
+    for step, top in enumerate(result.tops):
+        values, ids = expected[step].topk(4)
+        assert list(top) == ids.tolist()
+        assert max_diff(list(top.values()), values.tolist()) < TOLERANCE
+
+
+async def test_seeds_reproduce_alone_and_batched(engine: VLLMEngine, prompt: list[int]) -> None:
+    first = await run(engine, prompt, max_tokens=32, seed=11)
+    batched = await asyncio.gather(*(run(engine, prompt, max_tokens=32, seed=11) for _ in range(4)))
+    assert all(r.ids == first.ids for r in batched)
+    assert all(max_diff(r.logprobs, first.logprobs) < 1e-5 for r in batched)
+    other = await run(engine, prompt, max_tokens=32, seed=12)
+    assert other.ids != first.ids
+
+
+async def test_eos_is_returned_with_its_logprob(
+    engine: VLLMEngine, reference: Any, eos_ids: list[int], tiny_tokenizer: Any
+) -> None:
+    # A one-token prompt after which the model's greedy choice is the EOS token, with the widest margin.
+    vocab = len(tiny_tokenizer)
+    with torch.no_grad():
+        logits = reference(input_ids=torch.arange(vocab).unsqueeze(1)).logits[:, -1, :vocab]
+    top2 = logits.topk(2, dim=-1)
+    eos = tiny_tokenizer.eos_token_id
+    margin = torch.where(top2.indices[:, 0] == eos, top2.values[:, 0] - top2.values[:, 1], -1.0)
+    assert margin.max() > 0.01, "the tiny model never prefers EOS greedily; the test needs another prompt"
+    start = int(margin.argmax())
+
+    result = await run(engine, [start], max_tokens=8, temperature=0.0)
+    assert result.end is not None
+    # vLLM sends the EOS id in token_ids and leaves stop_reason empty; the engine names the id.
+    assert result.ids == [eos]
+    assert result.end.finish_reason == "stop" and result.end.stop_reason == eos
+    # At temperature 0 vLLM reports the raw (temperature 1) logprob.
+    expected = sampled(processed_logprobs(reference, [start], result.ids), result.ids)
+    assert max_diff(result.logprobs, expected) < TOLERANCE
+    assert eos in eos_ids
+
+
+async def test_stop_token_id_ends_after_that_token(engine: VLLMEngine, prompt: list[int]) -> None:
+    free = await run(engine, prompt, max_tokens=24, seed=5)
+    stop_id = free.ids[6]
+    cut = free.ids.index(stop_id) + 1
+    stopped = await run(engine, prompt, max_tokens=24, seed=5, stop_token_ids=(stop_id,))
+    assert stopped.ids == free.ids[:cut]
+    assert stopped.end is not None
+    assert stopped.end.finish_reason == "stop" and stopped.end.stop_reason == stop_id
+
+
+async def test_stop_string_ends_at_the_token_that_completes_it(
+    engine: VLLMEngine, prompt: list[int], tiny_tokenizer: Any
+) -> None:
+    free = await run(engine, prompt, max_tokens=24, seed=9)
+
+    def text(ids: list[int]) -> str:
+        decoded: str = tiny_tokenizer.decode(ids, skip_special_tokens=False)
+        return decoded
+
+    # The text a token adds, chosen so that its first occurrence in the completion ends with that token.
+    for k in range(3, len(free.ids) - 1):
+        before, after = text(free.ids[:k]), text(free.ids[: k + 1])
+        piece = after[len(before) :]
+        if after.startswith(before) and piece.strip() and "\ufffd" not in after and after.find(piece) == len(before):
+            break
+    else:
+        pytest.fail("no usable stop string in the sampled completion")
+    stopped = await run(engine, prompt, max_tokens=24, seed=9, stop=(piece,))
+    assert stopped.ids == free.ids[: k + 1]
+    assert stopped.logprobs == pytest.approx(free.logprobs[: k + 1], abs=1e-5)
+    assert stopped.end is not None
+    assert stopped.end.finish_reason == "stop" and stopped.end.stop_reason == piece
+
+
+async def test_context_window(engine: VLLMEngine, server: VLLMServer, prompt: list[int]) -> None:
+    # Checked before the request is sent: vLLM itself answers a prompt of exactly max_model_len tokens with a
+    # confusing "max_tokens must be at least 1".
+    with pytest.raises(ContextTooLong):
+        await run(engine, [5] * MAX_MODEL_LEN)
+    # A completion that does not fit is cut at the window, like the local engine does.
+    near = [5] * (MAX_MODEL_LEN - 3)
+    clipped = await run(engine, near, max_tokens=100, seed=1)
+    assert clipped.end is not None
+    assert len(clipped.ids) == 3 and clipped.end.finish_reason == "length"
+    # vLLM's own 400 maps to ContextTooLong too (an engine that believes the window is larger).
+    optimistic = VLLMEngine(server.url, model=SERVED, max_model_len=10 * MAX_MODEL_LEN)
+    await optimistic.start()
+    try:
+        with pytest.raises(ContextTooLong) as info:
+            await run(optimistic, [5] * (MAX_MODEL_LEN + 1))
+        assert "maximum context length" in info.value.message
+        with pytest.raises(BadRequest) as bad:
+            await run(optimistic, [10**6])  # an id outside the vocabulary
+        assert not isinstance(bad.value, ContextTooLong)
+    finally:
+        await optimistic.close()
+
+
+async def test_unknown_model_is_not_found(engine: VLLMEngine, prompt: list[int]) -> None:
+    with pytest.raises(NotFound):
+        await run(engine, prompt, adapter="no-such-adapter")
+
+
+async def test_closing_the_stream_aborts_the_request(
+    engine: VLLMEngine, server: VLLMServer, prompt: list[int]
+) -> None:
+    before = await prometheus(server, "vllm:generation_tokens_total")
+    request = GenerationRequest("abort-me", prompt, SamplingParams(max_tokens=400, seed=1))
+    stream = engine.generate(request)
+    assert isinstance(await anext(stream), TokenDelta)
+    await stream.aclose()
+    for _ in range(100):
+        if await prometheus(server, "vllm:num_requests_running") == 0:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)
+    assert await prometheus(server, "vllm:num_requests_running") == 0
+    # Running to the end would have produced 400 tokens.
+    assert await prometheus(server, "vllm:generation_tokens_total") - before < 200
+
+
+async def test_lora_adapters_load_route_and_unload(
+    engine: VLLMEngine, reference: Any, tiny_model_dir: Path, adapter_dirs: dict[str, Path], prompt: list[int]
+) -> None:
+    await engine.load_adapter("policy@v0", str(adapter_dirs["v0"]))
+    await engine.load_adapter("policy@v1", str(adapter_dirs["v1"]))
+    try:
+        assert set(await engine.adapters()) == {"policy@v0", "policy@v1"}
+        # The same name from the same folder again is a no-op; another folder under a used name is refused.
+        await engine.load_adapter("policy@v0", str(adapter_dirs["v0"]))
+        with pytest.raises(BadRequest):
+            await engine.load_adapter("policy@v0", str(adapter_dirs["v1"]))
+
+        base = await run(engine, prompt, max_tokens=16, seed=21)
+        v0 = await run(engine, prompt, adapter="policy@v0", max_tokens=16, seed=21)
+        v1 = await run(engine, prompt, adapter="policy@v1", max_tokens=16, seed=21)
+        # A zero-initialized LoRA is the base model.
+        assert v0.ids == base.ids
+        assert max_diff(v0.logprobs, base.logprobs) < 1e-5
+        # The perturbed one is applied exactly as PEFT applies it, and it moves the distribution.
+        tuned = peft.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+            adapter_dirs["v1"],
+        ).eval()
+        expected_v1 = sampled(processed_logprobs(tuned, prompt, v1.ids), v1.ids)
+        assert max_diff(v1.logprobs, expected_v1) < TOLERANCE
+        base_on_v1 = sampled(processed_logprobs(reference, prompt, v1.ids), v1.ids)
+        assert max_diff(v1.logprobs, base_on_v1) > 0.05
+
+        await engine.unload_adapter("policy@v1")
+        assert await engine.adapters() == ["policy@v0"]
+        with pytest.raises(NotFound):
+            await run(engine, prompt, adapter="policy@v1")
+        with pytest.raises(NotFound):
+            await engine.unload_adapter("policy@v1")
+        with pytest.raises(NotFound):
+            await engine.load_adapter("policy@v9", str(adapter_dirs["v0"].parent / "missing"))
+    finally:
+        for name in await engine.adapters():
+            await engine.unload_adapter(name)
+
+
+async def test_server_down_is_unavailable(prompt: list[int]) -> None:
+    closed = f"http://127.0.0.1:{free_port()}"
+    unreachable = VLLMEngine(closed, model=SERVED)
+    try:
+        with pytest.raises(EngineUnavailable):
+            await unreachable.start()
+    finally:
+        await unreachable.close()
+    down = VLLMEngine(closed, model=SERVED, max_model_len=MAX_MODEL_LEN)
+    await down.start()
+    try:
+        assert await down.health() is False
+        with pytest.raises(EngineUnavailable):
+            await run(down, prompt)
+        with pytest.raises(EngineUnavailable):
+            await down.adapters()
+    finally:
+        await down.close()

@@ -1,0 +1,1 @@
+"""clawgate trainer: prefix trees, advantages and LoRA policy updates from captured calls."""
