@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -48,8 +48,9 @@ def make_engine(settings: Settings, tokenizer: Any) -> Engine:
         return LocalEngine(settings.model, dtype=settings.local_dtype)
     from gateway.engines.vllm import VLLMEngine
 
-    return VLLMEngine(settings.vllm_url, model=settings.vllm_model or settings.model,
-                      timeout=settings.vllm_timeout)
+    return VLLMEngine(
+        settings.vllm_url, model=settings.vllm_model or settings.model, timeout=settings.vllm_timeout
+    )
 
 
 def redact_url(url: str) -> str:
@@ -75,8 +76,11 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
                 f"(database {redact_url(settings.database_url)})"
             )
         if not settings.api_keys:
-            log.warning("CLAWGATE_API_KEYS is not set: the API is open to anyone who can reach %s:%s",
-                        settings.host, settings.port)
+            log.warning(
+                "CLAWGATE_API_KEYS is not set: the API is open to anyone who can reach %s:%s",
+                settings.host,
+                settings.port,
+            )
         metrics = Metrics()
         writer = CallWriter(
             db.make_engine(settings.database_url),
@@ -90,17 +94,36 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
         renderer = Renderer(tok)
         index = SessionIndex()
         service = ChatService(
-            engine=eng, tokenizer=tok, renderer=renderer, index=index, writer=writer, metrics=metrics,
-            max_tokens_cap=settings.max_tokens, parser=settings.parser,
+            engine=eng,
+            tokenizer=tok,
+            renderer=renderer,
+            index=index,
+            writer=writer,
+            metrics=metrics,
+            max_tokens_cap=settings.max_tokens,
+            parser=settings.parser,
         )
         names = {settings.model_name, *(a for a in settings.model_aliases if a != "*")}
         app.state.clawgate = AppState(
-            settings=settings, engine=eng, tokenizer=tok, renderer=renderer, index=index, writer=writer,
-            metrics=metrics, service=service, model_names=frozenset(names),
-            accept_any_model="*" in settings.model_aliases, started_at=time.time(),
+            settings=settings,
+            engine=eng,
+            tokenizer=tok,
+            renderer=renderer,
+            index=index,
+            writer=writer,
+            metrics=metrics,
+            service=service,
+            model_names=frozenset(names),
+            accept_any_model="*" in settings.model_aliases,
+            started_at=time.time(),
         )
-        log.info("clawgate %s serving %s (engine %s, context %d tokens)", __version__, settings.model_name,
-                 eng.name, eng.max_model_len)
+        log.info(
+            "clawgate %s serving %s (engine %s, context %d tokens)",
+            __version__,
+            settings.model_name,
+            eng.name,
+            eng.max_model_len,
+        )
         try:
             yield
         finally:
@@ -116,10 +139,8 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
 
 def install_error_handlers(app: FastAPI) -> None:
     def respond(exc: APIError) -> JSONResponse:
-        try:
+        with suppress(AttributeError):
             app.state.clawgate.metrics.errors.labels(exc.type).inc()
-        except AttributeError:
-            pass
         return JSONResponse(exc.to_dict(), status_code=exc.status_code)
 
     @app.exception_handler(APIError)
@@ -138,13 +159,20 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         from gateway import errors
 
-        cls = {400: errors.BadRequest, 401: errors.Unauthorized, 403: errors.Forbidden, 404: errors.NotFound,
-               429: errors.RateLimited}.get(exc.status_code)
+        cls = {
+            400: errors.BadRequest,
+            401: errors.Unauthorized,
+            403: errors.Forbidden,
+            404: errors.NotFound,
+            429: errors.RateLimited,
+        }.get(exc.status_code)
         if cls is None:
             err = APIError(str(exc.detail))
             err.status_code = exc.status_code
             return respond(err)
-        message = f"{request.method} {request.url.path} not found" if exc.status_code == 404 else str(exc.detail)
+        message = (
+            f"{request.method} {request.url.path} not found" if exc.status_code == 404 else str(exc.detail)
+        )
         return respond(cls(message))
 
     @app.exception_handler(Exception)

@@ -24,7 +24,9 @@ log = logging.getLogger("clawgate")
 
 def _serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=["local", "vllm"], help="serving engine (CLAWGATE_ENGINE)")
-    p.add_argument("--model", help="model folder or hub id; tokenizer and chat template come from it (CLAWGATE_MODEL)")
+    p.add_argument(
+        "--model", help="model folder or hub id; tokenizer and chat template come from it (CLAWGATE_MODEL)"
+    )
     p.add_argument("--served-model-name", help="name clients send as `model` (CLAWGATE_SERVED_MODEL_NAME)")
     p.add_argument("--vllm-url", help="vLLM server URL for --engine vllm (CLAWGATE_VLLM_URL)")
     p.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
@@ -36,8 +38,17 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
 
 def _settings(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {}
-    for name in ("engine", "model", "served_model_name", "vllm_url", "database_url", "host", "port",
-                 "max_tokens", "log_level"):
+    for name in (
+        "engine",
+        "model",
+        "served_model_name",
+        "vllm_url",
+        "database_url",
+        "host",
+        "port",
+        "max_tokens",
+        "log_level",
+    ):
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
@@ -56,8 +67,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _setup_logging(settings.log_level)
     app = build_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                access_log=False)
+    uvicorn.run(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(), access_log=False
+    )
     return 0
 
 

@@ -21,6 +21,7 @@ valid UTF-8 at all.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 _REPLACEMENT = "\ufffd"
@@ -38,6 +39,14 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: TokenDecoder, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        # transformers' decode is the Rust decode plus optional space clean-up and ~4 µs of Python per call;
+        # with clean-up off (Qwen, Llama 3) the Rust decoder gives the same text, several times faster.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend_decode: Callable[..., str] | None = (
+            backend.decode
+            if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+            else None
+        )
         self._ids: list[int] = []
         self._prefix_offset = 0  # window start: ids[prefix:read] are context, already emitted
         self._read_offset = 0  # ids before this are emitted
@@ -73,6 +82,8 @@ class IncrementalDetokenizer:
         return text[self._prefix_len :]
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self._skip_special_tokens)
         text = self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
         if not isinstance(text, str):
             raise TypeError(f"tokenizer.decode returned {type(text).__name__}, expected str")

@@ -13,7 +13,10 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.calls = Counter("clawgate_calls", "Model calls served", ["api", "status"], registry=r)
         self.render_mode = Counter(
-            "clawgate_render_mode", "How prompts were built (fresh, spliced, drifted, raw)", ["mode"], registry=r
+            "clawgate_render_mode",
+            "How prompts were built (fresh, spliced, drifted, raw)",
+            ["mode"],
+            registry=r,
         )
         self.drift = Counter(
             "clawgate_drift", "Calls whose prompt re-tokenized an answer this gateway generated", registry=r
@@ -21,19 +24,30 @@ class Metrics:
         self.prompt_tokens = Counter("clawgate_prompt_tokens", "Prompt tokens", registry=r)
         self.completion_tokens = Counter("clawgate_completion_tokens", "Completion tokens", registry=r)
         self.latency = Histogram(
-            "clawgate_call_latency_seconds", "Wall time per call", ["api"], buckets=LATENCY_BUCKETS, registry=r
+            "clawgate_call_latency_seconds",
+            "Wall time per call",
+            ["api"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.ttft = Histogram(
-            "clawgate_time_to_first_token_seconds", "Time to first token", ["api"], buckets=LATENCY_BUCKETS,
+            "clawgate_time_to_first_token_seconds",
+            "Time to first token",
+            ["api"],
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.overhead = Histogram(
-            "clawgate_gateway_overhead_seconds", "Gateway time per call outside the engine",
-            buckets=OVERHEAD_BUCKETS, registry=r,
+            "clawgate_gateway_overhead_seconds",
+            "Gateway time per call outside the engine",
+            buckets=OVERHEAD_BUCKETS,
+            registry=r,
         )
         self.errors = Counter("clawgate_errors", "Errors returned", ["type"], registry=r)
         self.capture_queue = Gauge("clawgate_capture_queue_depth", "Calls waiting to be written", registry=r)
-        self.capture_written = Gauge("clawgate_capture_written", "Rows written by the capture writer", registry=r)
+        self.capture_written = Gauge(
+            "clawgate_capture_written", "Rows written by the capture writer", registry=r
+        )
         self.capture_retries = Gauge("clawgate_capture_retries", "Capture write retries", registry=r)
         self.in_flight = Gauge("clawgate_in_flight_calls", "Calls being generated", registry=r)
 

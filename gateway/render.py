@@ -74,7 +74,7 @@ class Renderer:
         self, messages: list[dict[str, Any]], tools: list[ToolSpec], add_generation_prompt: bool = True
     ) -> str:
         try:
-            rendered, _ = render_jinja_template(
+            result: Any = render_jinja_template(
                 conversations=[messages],
                 tools=[t.to_template() for t in tools] or None,
                 chat_template=self.chat_template,
@@ -83,12 +83,15 @@ class Renderer:
             )
         except Exception as exc:  # a template's raise_exception() or a type error on odd input
             raise BadRequest(f"the model's chat template rejected the conversation: {exc}") from exc
-        return str(rendered[0])
+        # Returns (rendered conversations, generation indices); annotated as str upstream.
+        return str(result[0][0])
 
     def render_fresh(self, messages: list[Message], tools: list[ToolSpec]) -> list[int]:
         return self.encode(self.render_text([m.to_template() for m in messages], tools))
 
-    def render_spliced(self, messages: list[Message], tools: list[ToolSpec], splice: Splice) -> list[int] | None:
+    def render_spliced(
+        self, messages: list[Message], tools: list[ToolSpec], splice: Splice
+    ) -> list[int] | None:
         """Prompt ids that begin with ``splice.token_ids`` exactly, or None if the template defeats the splice."""
         dicts = [m.to_template() for m in messages]
         dicts[splice.index] = {"role": "assistant", "content": SPLICE_MARK}

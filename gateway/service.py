@@ -27,7 +27,7 @@ from gateway.engines.base import Engine, GenerationEnd, GenerationRequest, Sampl
 from gateway.errors import APIError, ContextTooLong, EngineError
 from gateway.metrics import Metrics
 from gateway.parsers import get_parser
-from gateway.parsers.base import ParsedOutput, ParseDelta, ToolCallDelta
+from gateway.parsers.base import OutputParser, ParseDelta, ParsedOutput, ToolCallDelta, collect
 from gateway.render import Renderer
 from gateway.sessions import CallEntry, PromptPlan, SessionIndex, plan_prompt
 from gateway.stops import StopTrimmer
@@ -117,9 +117,6 @@ class ChoiceResult:
 
 class PlainText:
     """The parser interface for APIs that return raw text."""
-
-    def __init__(self) -> None:
-        self._parts: list[str] = []
 
     def feed(self, text: str) -> ParseDelta:
         return ParseDelta(content=text)
@@ -226,15 +223,20 @@ class ChatService:
         request = GenerationRequest(call_id, prep.prompt_ids, params, prep.adapter)
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
         trimmer = StopTrimmer(params.stop)
-        parser = (
-            self.parser_cls(tools_requested=job.parse_tool_calls and bool(job.tools))
-            if job.parse_output
-            else PlainText()
-        )
+        parser: OutputParser | PlainText
+        if job.parse_output:
+            # A template whose generation prompt opens a <think> block (Qwen3 thinking) starts us in reasoning.
+            prompt_tail = str(self.tokenizer.decode(prep.prompt_ids[-4:]))
+            parser = self.parser_cls(
+                tools_requested=job.parse_tool_calls and bool(job.tools),
+                reasoning_started=self.parser_cls.starts_in_reasoning(prompt_tail),
+            )
+        else:
+            parser = PlainText()
         ids: list[int] = []
         logprobs: list[float] = []
         tops: list[dict[int, float]] | None = [] if params.top_logprobs else None
-        texts: list[str] = []
+        deltas: list[ParseDelta] = []
         status, error = "failed", None
         tail_hash: str | None = None
         end: GenerationEnd | None = None
@@ -252,20 +254,25 @@ class ChatService:
                     if tops is not None and event.top_logprobs is not None:
                         tops.extend(event.top_logprobs)
                     text = trimmer.feed(detok.add(event.token_ids))
-                    texts.append(text)
                     delta = parser.feed(text) if text else ParseDelta()
+                    deltas.append(delta)
                     yield ChoiceDelta(
-                        index, delta.content, delta.reasoning, delta.tool_calls,
-                        event.token_ids, event.logprobs, event.top_logprobs,
+                        index,
+                        delta.content,
+                        delta.reasoning,
+                        delta.tool_calls,
+                        event.token_ids,
+                        event.logprobs,
+                        event.top_logprobs,
                     )
                 else:
                     end = event
             if end is None:
                 raise EngineError("the engine ended the stream without a finish reason")
             tail = trimmer.feed(detok.finish()) + trimmer.finish()
-            texts.append(tail)
             last = parser.feed(tail) if tail else ParseDelta()
             closing = parser.finish()
+            deltas += (last, closing)
             if last or closing:
                 yield ChoiceDelta(
                     index,
@@ -273,8 +280,8 @@ class ChatService:
                     last.reasoning + closing.reasoning,
                     last.tool_calls + closing.tool_calls,
                 )
-            output = parser.parse("".join(texts))
-            finish = end.finish_reason if end.finish_reason != "abort" else "stop"
+            output = collect(deltas)
+            finish: str = end.finish_reason if end.finish_reason != "abort" else "stop"
             if output.tool_calls and finish == "stop":
                 finish = "tool_calls"
             tail_hash = self._register(prep, call_id, ids, output)
@@ -384,4 +391,3 @@ class ChatService:
         if t_first is not None:
             m.ttft.labels(job.api).observe(t_first - prep.t0)
         m.overhead.observe(max(total_s - engine_s, 0.0))
-

@@ -111,4 +111,6 @@ def plan_prompt(
             return PromptPlan(ids, "drifted" if drifted else "spliced", parent, hashes)
         drifted = True
         parent = None
-    return PromptPlan(renderer.render_fresh(messages, tools), "drifted" if drifted else "fresh", parent, hashes)
+    return PromptPlan(
+        renderer.render_fresh(messages, tools), "drifted" if drifted else "fresh", parent, hashes
+    )

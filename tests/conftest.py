@@ -137,8 +137,14 @@ def shared_gateway(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Pat
     tmp = tmp_path_factory.mktemp("gw")
     url = f"sqlite:///{tmp / 'clawgate.db'}"
     db.upgrade(url)
-    settings = Settings(model=str(tiny_model_dir), served_model_name="tiny", database_url=url, port=free_port(),
-                        data_dir=tmp / "data", max_tokens=48)
+    settings = Settings(
+        model=str(tiny_model_dir),
+        served_model_name="tiny",
+        database_url=url,
+        port=free_port(),
+        data_dir=tmp / "data",
+        max_tokens=48,
+    )
     gw = start_gateway(settings)
     yield gw
     stop_gateway(gw)

@@ -11,12 +11,20 @@ from gateway.store import codec
 from gateway.store.db import make_engine
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
-TOOLS = [{
-    "type": "function",
-    "function": {"name": "read_file", "description": "Read a file",
-                 "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
-                                "required": ["path"]}},
-}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}},
+                "required": ["path"],
+            },
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +36,17 @@ def calls(gw, where: str = "1=1") -> list[dict]:
     gw.flush()
     engine = make_engine(gw.settings.database_url)
     with engine.connect() as conn:
-        rows = conn.execute(sa.text(f"SELECT * FROM calls WHERE {where} ORDER BY started_at")).mappings().all()
+        rows = (
+            conn.execute(sa.text(f"SELECT * FROM calls WHERE {where} ORDER BY started_at")).mappings().all()
+        )
     engine.dispose()
     return [dict(r) for r in rows]
 
 
 def test_non_streaming_chat_is_served_and_captured(client, shared_gateway, tiny_tokenizer):
     raw = client.chat.completions.with_raw_response.create(
-        model="tiny", messages=MESSAGES, max_tokens=12, temperature=1.0, seed=3)
+        model="tiny", messages=MESSAGES, max_tokens=12, temperature=1.0, seed=3
+    )
     resp = raw.parse()
     call_id = raw.headers["x-clawgate-call-id"]
     rollout_id = raw.headers["x-clawgate-rollout-id"]
@@ -58,7 +69,8 @@ def test_non_streaming_chat_is_served_and_captured(client, shared_gateway, tiny_
 
 def test_streaming_with_usage(client, shared_gateway):
     stream = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=10, stream=True, stream_options={"include_usage": True})
+        model="tiny", messages=MESSAGES, max_tokens=10, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     usage = [c.usage for c in chunks if c.usage is not None]
     assert len(usage) == 1 and usage[0].completion_tokens >= 1
@@ -82,7 +94,8 @@ async def test_async_client_streaming_and_not(shared_gateway):
 
 def test_logprobs_match_capture(client, shared_gateway):
     raw = client.chat.completions.with_raw_response.create(
-        model="tiny", messages=MESSAGES, max_tokens=8, logprobs=True, top_logprobs=3)
+        model="tiny", messages=MESSAGES, max_tokens=8, logprobs=True, top_logprobs=3
+    )
     resp = raw.parse()
     content = resp.choices[0].logprobs.content
     assert len(content) == resp.usage.completion_tokens
@@ -95,8 +108,9 @@ def test_logprobs_match_capture(client, shared_gateway):
 
 
 def test_n2_gives_two_captured_choices(client, shared_gateway):
-    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=MESSAGES, max_tokens=6, n=2,
-                                                           seed=11)
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=MESSAGES, max_tokens=6, n=2, seed=11
+    )
     resp = raw.parse()
     assert sorted(c.index for c in resp.choices) == [0, 1]
     ids = raw.headers["x-clawgate-call-id"].split(",")
@@ -107,7 +121,9 @@ def test_n2_gives_two_captured_choices(client, shared_gateway):
 
 
 def test_streaming_n2(client):
-    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, n=2, stream=True))
+    chunks = list(
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, n=2, stream=True)
+    )
     finished = {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason}
     assert finished == {0, 1}
 
@@ -121,7 +137,9 @@ def test_stop_sequences_trim_output(client, tiny_tokenizer):
             break
     assert len(text.strip()) >= 6, text
     stop = text.strip()[3:5]
-    resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, seed=seed, stop=[stop])
+    resp = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=20, seed=seed, stop=[stop]
+    )
     out = resp.choices[0].message.content or ""
     assert stop not in out
     assert text.startswith(out)
@@ -142,14 +160,21 @@ def test_unknown_model_raises_not_found(client):
     assert err.value.body["code"] == "model_not_found"
 
 
-@pytest.mark.parametrize("body", [
-    {"model": "tiny"},  # no messages
-    {"model": "tiny", "messages": []},
-    {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]},
-    {"model": "tiny", "messages": MESSAGES, "temperature": 9},
-    {"model": "tiny", "messages": MESSAGES, "n": 0},
-    {"model": "tiny", "messages": MESSAGES, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "tiny"},  # no messages
+        {"model": "tiny", "messages": []},
+        {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]},
+        {"model": "tiny", "messages": MESSAGES, "temperature": 9},
+        {"model": "tiny", "messages": MESSAGES, "n": 0},
+        {
+            "model": "tiny",
+            "messages": MESSAGES,
+            "tool_choice": {"type": "function", "function": {"name": "nope"}},
+        },
+    ],
+)
 def test_malformed_bodies_raise_bad_request(client, body):
     with pytest.raises(openai.BadRequestError) as err:
         client.post("/chat/completions", body=body, cast_to=httpx.Response)
@@ -158,16 +183,26 @@ def test_malformed_bodies_raise_bad_request(client, body):
 
 
 def test_invalid_json_is_400(shared_gateway):
-    r = httpx.post(shared_gateway.v1 + "/chat/completions", content=b"{not json",
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        shared_gateway.v1 + "/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_image_content_is_refused_clearly(client):
     with pytest.raises(openai.BadRequestError, match="text only"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+        client.chat.completions.create(
+            model="tiny",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
+                }
+            ],
+        )
 
 
 def test_over_long_prompt_is_400(client, shared_gateway):
@@ -178,8 +213,12 @@ def test_over_long_prompt_is_400(client, shared_gateway):
 
 
 def test_unknown_fields_are_tolerated(client):
-    resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3,
-                                          extra_body={"some_vendor_field": {"x": 1}, "prompt_cache_key": "k"})
+    resp = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=3,
+        extra_body={"some_vendor_field": {"x": 1}, "prompt_cache_key": "k"},
+    )
     assert resp.choices
 
 
@@ -193,8 +232,9 @@ def test_completions_with_text_and_token_prompts(client, tiny_tokenizer):
     assert resp.object == "text_completion"
     assert len(resp.choices[0].logprobs.token_logprobs) == resp.usage.completion_tokens
     ids = tiny_tokenizer.encode("import os", add_special_tokens=False)
-    resp2 = client.completions.create(model="tiny", prompt=ids, max_tokens=4,
-                                      extra_body={"return_token_ids": True})
+    resp2 = client.completions.create(
+        model="tiny", prompt=ids, max_tokens=4, extra_body={"return_token_ids": True}
+    )
     extra = resp2.choices[0].model_extra
     assert extra["prompt_token_ids"] == ids
     assert len(extra["token_ids"]) == resp2.usage.completion_tokens
@@ -217,8 +257,9 @@ def test_rollout_prefix_and_header_group_calls(shared_gateway):
     c = openai.OpenAI(base_url=shared_gateway.url + "/rollouts/ro-test-a/v1", api_key="x", max_retries=0)
     r1 = c.chat.completions.with_raw_response.create(model="tiny", messages=MESSAGES, max_tokens=2)
     assert r1.headers["x-clawgate-rollout-id"] == "ro-test-a"
-    c2 = openai.OpenAI(base_url=shared_gateway.v1, api_key="x", max_retries=0,
-                       default_headers={"X-Rollout-Id": "ro-test-b"})
+    c2 = openai.OpenAI(
+        base_url=shared_gateway.v1, api_key="x", max_retries=0, default_headers={"X-Rollout-Id": "ro-test-b"}
+    )
     r2 = c2.chat.completions.with_raw_response.create(model="tiny", messages=MESSAGES, max_tokens=2)
     assert r2.headers["x-clawgate-rollout-id"] == "ro-test-b"
     rows = calls(shared_gateway, "rollout_id IN ('ro-test-a', 'ro-test-b')")
@@ -232,6 +273,7 @@ def test_api_keys_enforced(gateway_factory):
         bad.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
     good = openai.OpenAI(base_url=gw.v1, api_key="k2", max_retries=0)
     assert good.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2).choices
-    r = httpx.post(gw.v1 + "/chat/completions", json={"model": "tiny", "messages": MESSAGES},
-                   headers={"x-api-key": "k1"})
+    r = httpx.post(
+        gw.v1 + "/chat/completions", json={"model": "tiny", "messages": MESSAGES}, headers={"x-api-key": "k1"}
+    )
     assert r.status_code == 200

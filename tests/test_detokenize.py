@@ -60,6 +60,9 @@ def random_chunks(rng: random.Random, ids: list[int]) -> list[list[int]]:
 
 
 def test_tokenizer_splits_characters_across_tokens(tokenizer: PreTrainedTokenizerFast) -> None:
+    # The detokenizer's fast path (the Rust decoder directly) applies to this tokenizer; CountingTokenizer
+    # below has no backend, so the tests cover both paths.
+    assert tokenizer.clean_up_tokenization_spaces is False
     # Guard for the tests below: they only prove something if some characters span several tokens.
     ids = tokenizer.encode("🎉👍🏽한", add_special_tokens=False)
     assert len(ids) > len("🎉👍🏽한")
@@ -145,6 +148,7 @@ def test_decode_window_does_not_grow_with_completion(tokenizer: PreTrainedTokeni
     detok = IncrementalDetokenizer(counting)
     streamed = "".join(detok.add([i]) for i in ids) + detok.finish()
     assert streamed == text
+    assert counting.window_sizes, "the plain decode path was not used"
     # A window holds the previous step's ids plus the pending ones (a character is at most 4 bytes).
     assert max(counting.window_sizes) <= 8
     assert len(counting.window_sizes) <= 2 * len(ids) + 1

@@ -1,8 +1,8 @@
 """The vLLM engine against a real vLLM server (CPU build) serving the tiny model.
 
 One server is started for the whole module (about 30 s). Every logprob vLLM reports is checked against a
-transformers (and PEFT) recomputation of the same tokens in float32: these are the behaviour-policy logprobs the
-trainer uses, so they must be the processed ones (after temperature, top-k, top-p), token for token.
+transformers (and PEFT) recomputation of the same tokens in float32: these are the behaviour-policy logprobs
+the trainer uses, so they must be the processed ones (after temperature, top-k, top-p), token for token.
 
 The vLLM interpreter comes from ``CLAWGATE_TEST_VLLM_PYTHON`` or ``./.venv-vllm/bin/python``; the module is
 skipped only when neither exists.
@@ -50,7 +50,7 @@ PROMPT_TEXT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_
 TOLERANCE = 1e-3
 
 
-# ---- fixtures ------------------------------------------------------------------------------------------------
+# ---- fixtures --------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def prompt(tiny_tokenizer: Any) -> list[int]:
 
 @pytest.fixture(scope="module")
 def adapter_dirs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """``policy@v0``: a zero-initialized LoRA (same outputs as the base); ``policy@v1``: the same, perturbed."""
+    """``policy@v0``: a zero-initialized LoRA (same outputs as the base); ``policy@v1``: it, perturbed."""
     root = tmp_path_factory.mktemp("adapters")
     base = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS)
@@ -123,7 +123,7 @@ async def engine(server: VLLMServer, eos_ids: list[int]) -> AsyncIterator[VLLMEn
     await eng.close()
 
 
-# ---- helpers -------------------------------------------------------------------------------------------------
+# ---- helpers ---------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -164,7 +164,7 @@ def processed_logprobs(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-) -> torch.Tensor:
+) -> Any:
     """Log-probabilities ``[len(completion), vocab]`` after temperature → top-k → top-p, as vLLM samples."""
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
@@ -183,7 +183,7 @@ def processed_logprobs(
     return torch.log_softmax(logits, dim=-1)
 
 
-def sampled(logprobs: torch.Tensor, completion: list[int]) -> list[float]:
+def sampled(logprobs: Any, completion: list[int]) -> list[float]:
     values: list[float] = logprobs.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1).tolist()
     return values
 
@@ -199,7 +199,7 @@ async def prometheus(server: VLLMServer, name: str) -> float:
     return sum(float(m) for m in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M))
 
 
-# ---- tests ---------------------------------------------------------------------------------------------------
+# ---- tests -----------------------------------------------------------------------------------------------
 
 
 async def test_start_reads_the_context_window_and_health(engine: VLLMEngine) -> None:
@@ -215,7 +215,9 @@ async def test_start_reads_the_context_window_and_health(engine: VLLMEngine) -> 
 async def test_streamed_ids_and_processed_logprobs_match_transformers(
     engine: VLLMEngine, reference: Any, prompt: list[int], temperature: float, top_k: int, top_p: float
 ) -> None:
-    result = await run(engine, prompt, max_tokens=24, seed=7, temperature=temperature, top_k=top_k, top_p=top_p)
+    result = await run(
+        engine, prompt, max_tokens=24, seed=7, temperature=temperature, top_k=top_k, top_p=top_p
+    )
     assert result.end is not None
     assert len(result.ids) == 24 and result.end.finish_reason == "length" and result.end.stop_reason is None
     assert result.end.prompt_tokens == len(prompt)
@@ -301,7 +303,8 @@ async def test_stop_string_ends_at_the_token_that_completes_it(
     for k in range(3, len(free.ids) - 1):
         before, after = text(free.ids[:k]), text(free.ids[: k + 1])
         piece = after[len(before) :]
-        if after.startswith(before) and piece.strip() and "\ufffd" not in after and after.find(piece) == len(before):
+        clean = after.startswith(before) and "\ufffd" not in after
+        if clean and piece.strip() and after.find(piece) == len(before):
             break
     else:
         pytest.fail("no usable stop string in the sampled completion")

@@ -56,9 +56,7 @@ def test_plain_text() -> None:
 
 def test_reasoning_and_content() -> None:
     text = "<think>\nLet me think.\nStill thinking.\n</think>\n\nThe answer is 4."
-    assert HermesParser().parse(text) == ParsedOutput(
-        "The answer is 4.", "Let me think.\nStill thinking.", []
-    )
+    assert HermesParser().parse(text) == ParsedOutput("The answer is 4.", "Let me think.\nStill thinking.", [])
     # Leading whitespace before <think> is allowed; only one newline is stripped on each side.
     text = "\n <think>\n\nidea\n\n</think>answer"
     assert HermesParser().parse(text) == ParsedOutput("answer", "\nidea\n", [])
@@ -72,16 +70,12 @@ def test_think_tag_not_at_start_is_content() -> None:
 
 
 def test_unterminated_reasoning() -> None:
-    assert HermesParser().parse("<think>\nstill going <tool_call>") == ParsedOutput(
-        None, "still going <tool_call>", []
-    )
+    assert HermesParser().parse("<think>\nstill going <tool_call>") == ParsedOutput(None, "still going <tool_call>", [])
 
 
 def test_reasoning_started_by_prompt() -> None:
     parser = HermesParser(reasoning_started=True)
-    assert parser.parse("I should call it.\n</think>\n\nDone.") == ParsedOutput(
-        "Done.", "I should call it.", []
-    )
+    assert parser.parse("I should call it.\n</think>\n\nDone.") == ParsedOutput("Done.", "I should call it.", [])
     assert parser.parse("cut off by length") == ParsedOutput(None, "cut off by length", [])
     # A stray </think> without an opened block is just text.
     assert HermesParser().parse("a</think>b") == ParsedOutput("a</think>b", None, [])
@@ -165,9 +159,7 @@ def test_no_tools_offered_leaves_tool_call_text() -> None:
 
 
 def test_unicode_in_arguments() -> None:
-    text = (
-        '<tool_call>{"name": "translate", "arguments": {"text": "日本語 🙂", "esc": "\\u00e9"}}</tool_call>'
-    )
+    text = '<tool_call>{"name": "translate", "arguments": {"text": "日本語 🙂", "esc": "\\u00e9"}}</tool_call>'
     parsed = HermesParser().parse(text)
     # Unicode is written as itself, not as \\u escapes.
     assert parsed.tool_calls == [call("translate", '{"text": "日本語 🙂", "esc": "é"}')]
@@ -317,9 +309,7 @@ def random_text(rng: random.Random) -> str:
         parts.append(rng.choice(["", " ", "\n", " \n "]))
         if rng.random() < 0.7:
             parts.append("<think>" + rng.choice(["", "\n", "\n\n"]))
-            parts.extend(
-                rng.choice([*PIECES[:10], "<tool_call>", "</thi", "<think>"]) for _ in range(rng.randrange(5))
-            )
+            parts.extend(rng.choice([*PIECES[:10], "<tool_call>", "</thi", "<think>"]) for _ in range(rng.randrange(5)))
             if rng.random() < 0.8:
                 parts.append(rng.choice(["", "\n", "\n\n"]) + "</think>" + rng.choice(["", "\n", "\n\n"]))
     for _ in range(rng.randrange(14)):
@@ -334,11 +324,7 @@ def random_text(rng: random.Random) -> str:
 
 
 def random_chunks(rng: random.Random, text: str) -> list[str]:
-    cuts = (
-        sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(1, 12))))
-        if len(text) > 1
-        else []
-    )
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(1, 12)))) if len(text) > 1 else []
     bounds = [0, *cuts, len(text)]
     return [text[a:b] for a, b in itertools.pairwise(bounds)]
 

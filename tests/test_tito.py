@@ -3,6 +3,7 @@ the raw sampled ids; the stored prompt of call k+1 begins with prompt_k + comple
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import openai
@@ -12,9 +13,19 @@ from gateway.store import codec, repo
 from gateway.store.db import make_engine
 from tests.fakes import ScriptedEngine
 
-TOOLS = [{"type": "function", "function": {
-    "name": "run", "description": "Run a shell command",
-    "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}, "timeout": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "run",
+            "description": "Run a shell command",
+            "parameters": {
+                "type": "object",
+                "properties": {"cmd": {"type": "string"}, "timeout": {"type": "integer"}},
+            },
+        },
+    }
+]
 
 
 def stored_calls(gw, rollout_id: str):
@@ -32,9 +43,10 @@ def drift_count(gw) -> float:
 
 
 def assert_chain(chain) -> None:
-    for (prev, prev_prompt, prev_completion), (row, prompt, _) in zip(chain, chain[1:], strict=False):
+    for (prev, prev_prompt, prev_completion), (row, prompt, _) in itertools.pairwise(chain):
         assert prompt[: len(prev_prompt) + len(prev_completion)] == prev_prompt + prev_completion, (
-            f"call {row.id} does not extend {prev.id}")
+            f"call {row.id} does not extend {prev.id}"
+        )
         assert row.parent_call_id == prev.id
         assert row.render_mode == "spliced"
 
@@ -43,12 +55,15 @@ def test_six_turns_real_engine_text_echo(shared_gateway):
     """Real local engine: the harness trims, merges and splits content parts of echoed answers."""
     client = openai.OpenAI(base_url=shared_gateway.v1, api_key="x", max_retries=0)
     drift0 = drift_count(shared_gateway)
-    messages = [{"role": "system", "content": "You are a helpful agent."},
-                {"role": "user", "content": "Start the task."}]
+    messages = [
+        {"role": "system", "content": "You are a helpful agent."},
+        {"role": "user", "content": "Start the task."},
+    ]
     rollout = None
     for turn in range(6):
         raw = client.chat.completions.with_raw_response.create(
-            model="tiny", messages=messages, max_tokens=12, temperature=1.0, seed=100 + turn)
+            model="tiny", messages=messages, max_tokens=12, temperature=1.0, seed=100 + turn
+        )
         resp = raw.parse()
         rid = raw.headers["x-clawgate-rollout-id"]
         rollout = rollout or rid
@@ -57,8 +72,11 @@ def test_six_turns_real_engine_text_echo(shared_gateway):
         # Echo the way harnesses do: whitespace trimmed, content split into parts.
         echoed = text.strip()
         half = len(echoed) // 2
-        content = [{"type": "text", "text": echoed[:half]}, {"type": "text", "text": echoed[half:]}] if turn % 2 \
+        content = (
+            [{"type": "text", "text": echoed[:half]}, {"type": "text", "text": echoed[half:]}]
+            if turn % 2
             else echoed
+        )
         messages.append({"role": "assistant", "content": content})
         messages.append({"role": "user", "content": f"Continue with step {turn + 2}."})
     chain = stored_calls(shared_gateway, rollout)
@@ -74,11 +92,16 @@ def test_six_turns_tool_calls_reasoning_rewritten(gateway_factory, tiny_tokenize
     engine = ScriptedEngine(tiny_tokenizer)
     gw = gateway_factory(engine=engine, tokenizer=tiny_tokenizer)
     client = openai.OpenAI(base_url=gw.url + "/rollouts/ro-tito/v1", api_key="x", max_retries=0)
-    messages: list[dict] = [{"role": "system", "content": "Agent."}, {"role": "user", "content": "List files."}]
+    messages: list[dict] = [
+        {"role": "system", "content": "Agent."},
+        {"role": "user", "content": "List files."},
+    ]
     for turn in range(6):
         if turn < 5:
-            engine.push(f"<think>\nI should run step {turn}.\n</think>\n\n<tool_call>\n"
-                        f'{{"name": "run", "arguments": {{"cmd": "ls -{turn}",  "timeout": {turn}}}}}\n</tool_call>')
+            engine.push(
+                f"<think>\nI should run step {turn}.\n</think>\n\n<tool_call>\n"
+                f'{{"name": "run", "arguments": {{"cmd": "ls -{turn}",  "timeout": {turn}}}}}\n</tool_call>'
+            )
         else:
             engine.push("All done.")
         resp = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=64)
@@ -90,9 +113,22 @@ def test_six_turns_tool_calls_reasoning_rewritten(gateway_factory, tiny_tokenize
             args = json.loads(tc.function.arguments)
             assert args == {"cmd": f"ls -{turn}", "timeout": turn}
             new_id = tc.id.replace("_", "")  # OpenClaw rewrites call_abc -> callabc
-            messages.append({"role": "assistant", "content": None, "tool_calls": [{
-                "id": new_id, "type": "function",
-                "function": {"name": "run", "arguments": json.dumps(dict(reversed(list(args.items()))))}}]})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": new_id,
+                            "type": "function",
+                            "function": {
+                                "name": "run",
+                                "arguments": json.dumps(dict(reversed(list(args.items())))),
+                            },
+                        }
+                    ],
+                }
+            )
             messages.append({"role": "tool", "tool_call_id": new_id, "content": f"file{turn}.txt"})
         else:
             assert msg.content == "All done."
@@ -116,8 +152,11 @@ def test_edited_history_is_drift_not_splice(gateway_factory, tiny_tokenizer):
     client.chat.completions.create(model="tiny", messages=messages, max_tokens=16)
     engine.push("Second answer.")
     # The harness rewrote the user turn before our answer (e.g. compaction): our answer can't be spliced.
-    edited = [{"role": "user", "content": "Hi, edited."}, {"role": "assistant", "content": "First answer."},
-              {"role": "user", "content": "More."}]
+    edited = [
+        {"role": "user", "content": "Hi, edited."},
+        {"role": "assistant", "content": "First answer."},
+        {"role": "user", "content": "More."},
+    ]
     client.chat.completions.create(model="tiny", messages=edited, max_tokens=16)
     chain = stored_calls(gw, "ro-drift")
     assert [c[0].render_mode for c in chain] == ["fresh", "drifted"]

@@ -39,8 +39,9 @@ def _text(content: str | list[Any] | None) -> str | None:
         if part.type in ("text", "input_text", "output_text"):
             parts.append(part.text or "")
         elif part.type in ("image_url", "input_image", "image", "input_audio", "file"):
-            raise BadRequest(f"this model accepts text only; got a content part of type {part.type!r}",
-                             param="messages")
+            raise BadRequest(
+                f"this model accepts text only; got a content part of type {part.type!r}", param="messages"
+            )
         else:
             raise BadRequest(f"unsupported content part type {part.type!r}", param="messages")
     return "".join(parts)
@@ -73,7 +74,9 @@ def to_messages(messages: list[ChatMessage]) -> list[Message]:
     return out
 
 
-def sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None, top_logprobs: int) -> SamplingParams:
+def sampling(
+    req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None, top_logprobs: int
+) -> SamplingParams:
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
     return SamplingParams(
         max_tokens=max_tokens or 1 << 30,  # clipped to the server cap and the context window in prepare()
@@ -81,7 +84,7 @@ def sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | N
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=top_k,
         seed=req.seed,
-        stop=tuple(req.stop or ()),  # type: ignore[arg-type]
+        stop=tuple(req.stop or ()),
         top_logprobs=top_logprobs,
     )
 
@@ -98,25 +101,36 @@ def _tool_call_dicts(output: ParsedOutput, call_id: str) -> list[dict[str, Any]]
     ]
 
 
-def _token_logprobs(state: AppState, ids: list[int], lps: list[float],
-                    tops: list[dict[int, float]] | None) -> list[dict[str, Any]]:
+def _token_logprobs(
+    state: AppState, ids: list[int], lps: list[float], tops: list[dict[int, float]] | None
+) -> list[dict[str, Any]]:
     tok = state.tokenizer
     out = []
     for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
-        text = tok.decode([tid])
-        entry: dict[str, Any] = {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+        text = str(tok.decode([tid]))
+        entry: dict[str, Any] = {
+            "token": text,
+            "logprob": lp,
+            "bytes": list(text.encode()),
+            "top_logprobs": [],
+        }
         if tops is not None and i < len(tops):
             for alt, alp in sorted(tops[i].items(), key=lambda kv: -kv[1]):
-                alt_text = tok.decode([alt])
-                entry["top_logprobs"].append({"token": alt_text, "logprob": alp, "bytes": list(alt_text.encode())})
+                alt_text = str(tok.decode([alt]))
+                entry["top_logprobs"].append(
+                    {"token": alt_text, "logprob": alp, "bytes": list(alt_text.encode())}
+                )
         out.append(entry)
     return out
 
 
 def _usage(prep: Prepared, completion_tokens: int) -> dict[str, int]:
     prompt = len(prep.prompt_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-            "total_tokens": prompt + completion_tokens}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt + completion_tokens,
+    }
 
 
 def _headers(prep: Prepared) -> dict[str, str]:
@@ -127,7 +141,9 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _merge(iterators: list[AsyncIterator[ChoiceDelta | ChoiceResult]]) -> AsyncIterator[ChoiceDelta | ChoiceResult]:
+async def _merge(
+    iterators: list[AsyncIterator[ChoiceDelta | ChoiceResult]],
+) -> AsyncIterator[ChoiceDelta | ChoiceResult]:
     """Interleave the n choices' streams as their tokens arrive."""
     if len(iterators) == 1:
         async for item in iterators[0]:
@@ -192,7 +208,9 @@ async def chat_completions(request: Request, state: State, rollout: Rollout) -> 
     raw = await _json_body(request)
     req = ChatCompletionRequest.model_validate(raw)
     state.check_model(req.model)
-    tools = [ToolSpec(t.function.name, t.function.description, t.function.parameters) for t in req.tools or []]
+    tools = [
+        ToolSpec(t.function.name, t.function.description, t.function.parameters) for t in req.tools or []
+    ]
     top = req.top_logprobs or 0
     job = ChatJob(
         api="chat",
@@ -218,14 +236,24 @@ async def chat_completions(request: Request, state: State, rollout: Rollout) -> 
                 message["reasoning_content"] = r.output.reasoning
             if r.output.tool_calls:
                 message["tool_calls"] = _tool_call_dicts(r.output, r.call_id)
-            choice: dict[str, Any] = {"index": r.index, "message": message, "finish_reason": r.finish_reason,
-                                      "logprobs": None}
+            choice: dict[str, Any] = {
+                "index": r.index,
+                "message": message,
+                "finish_reason": r.finish_reason,
+                "logprobs": None,
+            }
             if req.logprobs:
-                choice["logprobs"] = {"content": _token_logprobs(state, r.token_ids, r.logprobs, r.top_logprobs)}
+                choice["logprobs"] = {
+                    "content": _token_logprobs(state, r.token_ids, r.logprobs, r.top_logprobs)
+                }
             choices.append(choice)
         body = {
-            "id": prep.request_id, "object": "chat.completion", "created": created, "model": req.model,
-            "choices": choices, "usage": _usage(prep, sum(len(r.token_ids) for r in results)),
+            "id": prep.request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": req.model,
+            "choices": choices,
+            "usage": _usage(prep, sum(len(r.token_ids) for r in results)),
         }
         return JSONResponse(body, headers=_headers(prep))
     _, merged = await _prefetch(_merge(iterators))
@@ -255,23 +283,49 @@ async def _collect_all(iterators: list[AsyncIterator[ChoiceDelta | ChoiceResult]
 
 
 async def _chat_stream(
-    state: AppState, prep: Prepared, req: ChatCompletionRequest,
-    events: AsyncIterator[ChoiceDelta | ChoiceResult], created: int, include_usage: bool,
+    state: AppState,
+    prep: Prepared,
+    req: ChatCompletionRequest,
+    events: AsyncIterator[ChoiceDelta | ChoiceResult],
+    created: int,
+    include_usage: bool,
 ) -> AsyncIterator[bytes]:
     base = {"id": prep.request_id, "object": "chat.completion.chunk", "created": created, "model": req.model}
     if include_usage:
         base["usage"] = None
     for i in range(req.n):
-        yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}]})
+        yield _sse(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
+        )
     completion_tokens = 0
     tool_ids: dict[tuple[int, int], str] = {}
     try:
         async for ev in events:
             if isinstance(ev, ChoiceResult):
                 completion_tokens += len(ev.token_ids)
-                yield _sse({**base, "choices": [{"index": ev.index, "delta": {}, "logprobs": None,
-                                                 "finish_reason": ev.finish_reason}]})
+                yield _sse(
+                    {
+                        **base,
+                        "choices": [
+                            {
+                                "index": ev.index,
+                                "delta": {},
+                                "logprobs": None,
+                                "finish_reason": ev.finish_reason,
+                            }
+                        ],
+                    }
+                )
                 continue
             delta: dict[str, Any] = {}
             if ev.reasoning:
@@ -284,8 +338,14 @@ async def _chat_stream(
             if req.logprobs and ev.token_ids:
                 logprobs = {"content": _token_logprobs(state, ev.token_ids, ev.logprobs, ev.top_logprobs)}
             if delta or logprobs:
-                yield _sse({**base, "choices": [{"index": ev.index, "delta": delta, "logprobs": logprobs,
-                                                 "finish_reason": None}]})
+                yield _sse(
+                    {
+                        **base,
+                        "choices": [
+                            {"index": ev.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+                        ],
+                    }
+                )
         if include_usage:
             yield _sse({**base, "choices": [], "usage": _usage(prep, completion_tokens)})
     except APIError as exc:
@@ -295,7 +355,9 @@ async def _chat_stream(
     yield b"data: [DONE]\n\n"
 
 
-def _tool_call_delta(prep: Prepared, choice: int, tc: ToolCallDelta, ids: dict[tuple[int, int], str]) -> dict[str, Any]:
+def _tool_call_delta(
+    prep: Prepared, choice: int, tc: ToolCallDelta, ids: dict[tuple[int, int], str]
+) -> dict[str, Any]:
     out: dict[str, Any] = {"index": tc.index}
     key = (choice, tc.index)
     if key not in ids:
@@ -332,9 +394,17 @@ async def completions(request: Request, state: State, rollout: Rollout) -> Respo
         if not ids:
             raise BadRequest("prompt is empty", param="prompt")
         job = ChatJob(
-            api="completions", model=req.model, messages=[], tools=[], n=req.n,
+            api="completions",
+            model=req.model,
+            messages=[],
+            tools=[],
+            n=req.n,
             params=sampling(req, req.max_tokens or 16, req.logprobs or 0),
-            rollout=rollout, raw_request=raw, parse_output=False, prompt_ids=ids, request_id=request_id,
+            rollout=rollout,
+            raw_request=raw,
+            parse_output=False,
+            prompt_ids=ids,
+            request_id=request_id,
         )
         preps.append(await service.prepare(job))
     if req.stream:
@@ -343,15 +413,20 @@ async def completions(request: Request, state: State, rollout: Rollout) -> Respo
         _, merged = await _prefetch(_merge(iterators))
         return StreamingResponse(
             _completion_stream(state, prep, req, merged, created),
-            media_type="text/event-stream", headers={**SSE_HEADERS, **_headers(prep)},
+            media_type="text/event-stream",
+            headers={**SSE_HEADERS, **_headers(prep)},
         )
     choices: list[dict[str, Any]] = []
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
     for pi, prep in enumerate(preps):
         results = await _collect_all([service.run_choice(prep, i) for i in range(req.n)])
         for r in results:
-            choice: dict[str, Any] = {"index": pi * req.n + r.index, "text": r.output.content or "",
-                                      "finish_reason": r.finish_reason, "logprobs": None}
+            choice: dict[str, Any] = {
+                "index": pi * req.n + r.index,
+                "text": r.output.content or "",
+                "finish_reason": r.finish_reason,
+                "logprobs": None,
+            }
             if req.logprobs is not None:
                 choice["logprobs"] = _completion_logprobs(state, r.token_ids, r.logprobs, r.top_logprobs)
             if req.return_token_ids:
@@ -361,15 +436,24 @@ async def completions(request: Request, state: State, rollout: Rollout) -> Respo
             usage["completion_tokens"] += len(r.token_ids)
         usage["prompt_tokens"] += len(prep.prompt_ids)
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    body = {"id": request_id, "object": "text_completion", "created": created, "model": req.model,
-            "choices": choices, "usage": usage}
-    headers = {"x-clawgate-call-id": ",".join(c for p in preps for c in p.call_ids),
-               "x-clawgate-rollout-id": ",".join(dict.fromkeys(p.rollout_id for p in preps))}
+    body = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": req.model,
+        "choices": choices,
+        "usage": usage,
+    }
+    headers = {
+        "x-clawgate-call-id": ",".join(c for p in preps for c in p.call_ids),
+        "x-clawgate-rollout-id": ",".join(dict.fromkeys(p.rollout_id for p in preps)),
+    }
     return JSONResponse(body, headers=headers)
 
 
-def _completion_logprobs(state: AppState, ids: list[int], lps: list[float],
-                         tops: list[dict[int, float]] | None) -> dict[str, Any]:
+def _completion_logprobs(
+    state: AppState, ids: list[int], lps: list[float], tops: list[dict[int, float]] | None
+) -> dict[str, Any]:
     tok = state.tokenizer
     tokens = [tok.decode([t]) for t in ids]
     top_list = None
@@ -383,8 +467,11 @@ def _completion_logprobs(state: AppState, ids: list[int], lps: list[float],
 
 
 async def _completion_stream(
-    state: AppState, prep: Prepared, req: CompletionRequest,
-    events: AsyncIterator[ChoiceDelta | ChoiceResult], created: int,
+    state: AppState,
+    prep: Prepared,
+    req: CompletionRequest,
+    events: AsyncIterator[ChoiceDelta | ChoiceResult],
+    created: int,
 ) -> AsyncIterator[bytes]:
     base = {"id": prep.request_id, "object": "text_completion", "created": created, "model": req.model}
     completion_tokens = 0
@@ -392,12 +479,28 @@ async def _completion_stream(
         async for ev in events:
             if isinstance(ev, ChoiceResult):
                 completion_tokens += len(ev.token_ids)
-                yield _sse({**base, "choices": [{"index": ev.index, "text": "", "logprobs": None,
-                                                 "finish_reason": ev.finish_reason}]})
+                yield _sse(
+                    {
+                        **base,
+                        "choices": [
+                            {
+                                "index": ev.index,
+                                "text": "",
+                                "logprobs": None,
+                                "finish_reason": ev.finish_reason,
+                            }
+                        ],
+                    }
+                )
                 continue
             if not ev.content and not ev.token_ids:
                 continue
-            choice: dict[str, Any] = {"index": ev.index, "text": ev.content, "logprobs": None, "finish_reason": None}
+            choice: dict[str, Any] = {
+                "index": ev.index,
+                "text": ev.content,
+                "logprobs": None,
+                "finish_reason": None,
+            }
             if req.logprobs is not None and ev.token_ids:
                 choice["logprobs"] = _completion_logprobs(state, ev.token_ids, ev.logprobs, ev.top_logprobs)
             if req.return_token_ids:
@@ -417,8 +520,16 @@ async def _completion_stream(
 @router.get("/rollouts/{rollout_id}/v1/models", dependencies=[ClientAuth])
 async def list_models(state: State) -> dict[str, Any]:
     created = int(state.started_at)
-    data = [{"id": name, "object": "model", "created": created, "owned_by": "clawgate",
-             "max_model_len": state.engine.max_model_len} for name in sorted(state.model_names)]
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "clawgate",
+            "max_model_len": state.engine.max_model_len,
+        }
+        for name in sorted(state.model_names)
+    ]
     return {"object": "list", "data": data}
 
 

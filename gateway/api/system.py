@@ -19,8 +19,12 @@ async def health(state: State) -> Response:
     body: dict[str, Any] = {
         "status": "ok" if engine_ok else "degraded",
         "engine": {"name": state.engine.name, "ok": engine_ok},
-        "capture": {"queued": stats.queued, "written": stats.written, "retries": stats.retries,
-                    "last_error": stats.last_error},
+        "capture": {
+            "queued": stats.queued,
+            "written": stats.written,
+            "retries": stats.retries,
+            "last_error": stats.last_error,
+        },
     }
     return JSONResponse(body, status_code=200 if engine_ok else 503)
 

@@ -12,7 +12,7 @@ distribution it was sampled from (after temperature/top-k/top-p processing). Err
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -71,7 +71,7 @@ class Engine(Protocol):
 
     async def close(self) -> None: ...
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]: ...
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationEvent, None]: ...
 
     async def load_adapter(self, name: str, path: str) -> None: ...
 

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -190,6 +191,7 @@ class LocalEngine:
         max_model_len: int | None = None,
         device: str = "cpu",
         max_batch: int = 8,
+        num_threads: int | None = None,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -199,6 +201,9 @@ class LocalEngine:
         self.dtype = dtype
         self.device = torch.device(device)
         self.max_batch = max_batch
+        # Leave a core to the event loop: torch's OpenMP threads spin while waiting, and with every core busy the
+        # loop thread's per-token work stalls them (measured 6x slower decoding on 2 cores).
+        self.num_threads = num_threads or max(1, (os.cpu_count() or 1) - 1)
         self._requested_max_model_len = max_model_len
         # Known once the model config is read in start().
         self.max_model_len = max_model_len or 0
@@ -218,6 +223,7 @@ class LocalEngine:
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
         self._commands: list[_AdapterCommand] = []
+        self._outbox: list[tuple[_Sequence, GenerationEvent | APIError]] = []
         self._cache: Any = None
         self._batch_adapter: str | None = None
         self._applied_adapter: str | None = None
@@ -226,7 +232,9 @@ class LocalEngine:
         self._adapter_ids = itertools.count()
         self._batchable = True
         self._uses_logits_to_keep = False
-        self._stats = {"requests": 0, "generated_tokens": 0, "decode_steps": 0, "peak_batch": 0}
+        self._stats = dict.fromkeys(
+            ("requests", "generated_tokens", "decode_steps", "peak_batch", "running", "waiting"), 0
+        )
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -254,14 +262,15 @@ class LocalEngine:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counters since start: requests, generated_tokens, decode_steps, peak_batch."""
+        """Counters since start (requests, generated_tokens, decode_steps, peak_batch) and the current
+        running and waiting request counts, as the worker last saw them."""
         return dict(self._stats)
 
     def _load(self) -> None:
         # transformers is imported here, in the loading thread, because importing it takes seconds.
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=_DTYPES[self.dtype])
+        model: Any = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=_DTYPES[self.dtype])
         model.to(self.device).eval()
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         config = model.config.get_text_config(decoder=True)
@@ -373,7 +382,8 @@ class LocalEngine:
     # ---- worker thread ---------------------------------------------------------------------------------------
 
     def _worker(self) -> None:
-        torch.set_num_threads(1)
+        # OpenMP thread counts are per calling thread: this sets the engine's intra-op threads only.
+        torch.set_num_threads(self.num_threads)
         with torch.inference_mode():
             while True:
                 idle = not self._running and not self._waiting and not self._commands
@@ -387,7 +397,11 @@ class LocalEngine:
                 except Exception as exc:  # a failed forward must not kill the worker
                     logger.exception("local engine step failed")
                     self._fail_running(EngineError(f"local engine error: {exc}"))
+                finally:
+                    self._flush()
+                    self._stats["running"], self._stats["waiting"] = len(self._running), len(self._waiting)
         self._shutdown()
+        self._flush()
 
     def _drain_inbox(self, *, block: bool) -> bool:
         """Move everything in the inbox to the worker's queues; False once shutdown is requested."""
@@ -517,6 +531,8 @@ class LocalEngine:
             except Exception as exc:
                 logger.exception("prefill failed for %s", seq.request.request_id)
                 self._post(seq, EngineError(f"local engine error: {exc}"))
+            # The first token goes out before the next request's prefill starts.
+            self._flush()
 
     def _prefill(self, seq: _Sequence) -> None:
         from transformers import DynamicCache
@@ -644,12 +660,23 @@ class LocalEngine:
         )
 
     def _post(self, seq: _Sequence, event: GenerationEvent | APIError) -> None:
-        if seq.cancelled:
+        if not seq.cancelled:
+            self._outbox.append((seq, event))
+
+    def _flush(self) -> None:
+        """Hand queued events to their event loops: one wake-up per loop per step, not one per token."""
+        if not self._outbox:
             return
-        try:
-            seq.loop.call_soon_threadsafe(seq.events.put_nowait, event)
-        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
-            seq.cancelled = True
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sequence, GenerationEvent | APIError]]] = {}
+        for seq, event in self._outbox:
+            by_loop.setdefault(seq.loop, []).append((seq, event))
+        self._outbox = []
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+                for seq, _ in batch:
+                    seq.cancelled = True
 
     def _fail_running(self, error: APIError) -> None:
         for seq in self._running:
@@ -672,6 +699,11 @@ def _validate_params(params: SamplingParams) -> None:
         raise BadRequest("top_logprobs must be non-negative", param="top_logprobs")
     if any(not s for s in params.stop):
         raise BadRequest("stop strings must be non-empty", param="stop")
+
+
+def _deliver(batch: list[tuple[_Sequence, GenerationEvent | APIError]]) -> None:
+    for seq, event in batch:
+        seq.events.put_nowait(event)
 
 
 def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:

@@ -2,9 +2,9 @@
 
 Every generation is one streamed ``POST /v1/completions`` whose ``prompt`` is the token id list the gateway
 rendered. vLLM is asked for the sampled ids (``return_token_ids``) and their logprobs with ids as keys
-(``return_tokens_as_token_ids``); its own text output is ignored, because the gateway detokenizes the ids itself.
-vLLM still detokenizes internally (stop strings are matched on its text), with ``skip_special_tokens`` off so a
-stop string is matched on the same text the local engine matches it on.
+(``return_tokens_as_token_ids``); its own text output is ignored, because the gateway detokenizes the ids
+itself. vLLM still detokenizes internally (stop strings are matched on its text), with ``skip_special_tokens``
+off so a stop string is matched on the same text the local engine matches it on.
 
 Behaviour of vLLM 0.32 this client relies on, checked against a running server:
 
@@ -20,23 +20,25 @@ Behaviour of vLLM 0.32 this client relies on, checked against a running server:
   such alternatives are dropped from ``top_logprobs``.
 - ``logprobs: N`` returns the sampled token plus the N most likely ones, so ``top_logprobs`` keeps the N best.
 - A prompt of exactly ``max_model_len`` tokens is rejected as "max_tokens must be at least 1", and
-  ``max_tokens > max_model_len`` is a 400, while a smaller ``max_tokens`` that does not fit is silently clamped.
-  The client therefore checks the prompt length and clamps ``max_tokens`` itself, like the local engine.
+  ``max_tokens > max_model_len`` is a 400, while a smaller ``max_tokens`` that does not fit is silently
+  clamped. The client therefore checks the prompt length and clamps ``max_tokens`` itself, like the local
+  engine.
 - Without ``--generation-config vllm`` the server fills unset sampling fields (repetition penalty, min_p, …)
   from the model's ``generation_config.json``; every field that changes the distribution is sent explicitly.
 - Closing the stream closes the connection, and vLLM aborts a request whose client disconnected.
 
 Errors map onto ``gateway.errors``: a 400 about the context length → ``ContextTooLong``, other 400/422 →
 ``BadRequest``, 404 → ``NotFound``, 429 → ``RateLimited``, 503 → ``EngineUnavailable``, other statuses →
-``EngineError``; connection failures → ``EngineUnavailable``, timeouts → ``EngineTimeout``; an error event in the
-stream → ``EngineError``.
+``EngineError``; connection failures → ``EngineUnavailable``, timeouts → ``EngineTimeout``. An error event
+inside the stream carries the status vLLM would have answered with (some inputs are validated only after the
+stream began) and maps the same way when it is a 4xx; anything else there → ``EngineError``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
 import httpx
@@ -77,11 +79,11 @@ _CONTEXT_MARKERS = ("maximum context length", "too long")
 class VLLMEngine:
     """``Engine`` backed by a vLLM server at ``base_url`` (without the ``/v1`` suffix) serving ``model``.
 
-    ``eos_token_ids`` are the ids that end a turn for this model (the tokenizer's EOS and, for chat models, the
-    generation config's extra ones). They are sent as ``stop_token_ids`` on every request, so generation stops on
-    them whether or not the server read the model's generation config. ``client`` lets a caller share one
-    ``httpx.AsyncClient`` (it is then not closed by ``close``); otherwise ``start`` creates one sized for
-    ``max_connections`` concurrent streams.
+    ``eos_token_ids`` are the ids that end a turn for this model (the tokenizer's EOS and, for chat models,
+    the generation config's extra ones). They are sent as ``stop_token_ids`` on every request, so generation
+    stops on them whether or not the server read the model's generation config. ``client`` lets a caller
+    share one ``httpx.AsyncClient`` (it is then not closed by ``close``); otherwise ``start`` creates one
+    sized for ``max_connections`` concurrent streams.
     """
 
     name = "vllm"
@@ -111,13 +113,13 @@ class VLLMEngine:
         self._max_connections = max_connections
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-    # ---- lifecycle -------------------------------------------------------------------------------------------
+    # ---- lifecycle ---------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         if self._client is None:
             self._client = httpx.AsyncClient(
-                # `read` bounds the gap between two stream chunks, so a long generation is fine while a stalled
-                # server is not; a refused or hanging connect fails fast.
+                # `read` bounds the gap between two stream chunks, so a long generation is fine while a
+                # stalled server is not; a refused or hanging connect fails fast.
                 timeout=httpx.Timeout(self._timeout, connect=self._connect_timeout),
                 limits=httpx.Limits(
                     max_connections=self._max_connections,
@@ -140,9 +142,9 @@ class VLLMEngine:
             return False
         return response.status_code == 200
 
-    # ---- generation ------------------------------------------------------------------------------------------
+    # ---- generation --------------------------------------------------------------------------------------
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationEvent, None]:
         body = self._completion_body(request)
         http = self._http
         finish: FinishReason | None = None
@@ -165,7 +167,7 @@ class VLLMEngine:
                         break
                     chunk = json.loads(data)
                     if "error" in chunk:
-                        raise EngineError(f"vLLM failed during generation: {_error_message(chunk)}")
+                        raise _stream_error(chunk)
                     for choice in chunk.get("choices") or ():
                         delta = _token_delta(choice, request.params.top_logprobs)
                         if delta is not None:
@@ -236,7 +238,7 @@ class VLLMEngine:
             body["seed"] = params.seed
         return body
 
-    # ---- adapters --------------------------------------------------------------------------------------------
+    # ---- adapters ----------------------------------------------------------------------------------------
 
     async def load_adapter(self, name: str, path: str) -> None:
         response = await self._request(
@@ -247,9 +249,12 @@ class VLLMEngine:
         error = _error_from_response(response)
         # Loading the same name from the same folder again (say, after a gateway restart) is a no-op; a new
         # folder under an old name is refused, because vLLM's prefix cache would mix the two weights.
-        if isinstance(error, BadRequest) and "already been loaded" in error.message:
-            if await self._adapter_path(name) == str(path):
-                return
+        if (
+            isinstance(error, BadRequest)
+            and "already been loaded" in error.message
+            and await self._adapter_path(name) == str(path)
+        ):
+            return
         raise error
 
     async def unload_adapter(self, name: str) -> None:
@@ -260,7 +265,7 @@ class VLLMEngine:
     async def adapters(self) -> list[str]:
         return [card["id"] for card in await self._model_cards() if card.get("parent")]
 
-    # ---- helpers ---------------------------------------------------------------------------------------------
+    # ---- helpers -----------------------------------------------------------------------------------------
 
     @property
     def _http(self) -> httpx.AsyncClient:
@@ -289,7 +294,7 @@ class VLLMEngine:
         for card in await self._model_cards():
             if card.get("id") == self.model and card.get("max_model_len"):
                 return int(card["max_model_len"])
-        raise NotFound(f"vLLM at {self.base_url} does not serve a base model named {self.model!r}", param="model")
+        raise NotFound(f"vLLM at {self.base_url} serves no base model named {self.model!r}", param="model")
 
     async def _adapter_path(self, name: str) -> str | None:
         for card in await self._model_cards():
@@ -348,18 +353,31 @@ def _error_from_response(response: httpx.Response) -> APIError:
     except ValueError:
         payload = response.text
     message = _error_message(payload)
-    status = response.status_code
+    if response.status_code == 404 and message == "Not Found":
+        message = (
+            f"vLLM has no route {response.request.url.path} (runtime LoRA loading needs "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True on the server)"
+        )
+    return _error_for(response.status_code, message, payload)
+
+
+def _stream_error(chunk: dict[str, Any]) -> APIError:
+    """An error event inside a 200 stream: vLLM validates some inputs (token ids outside the vocabulary, for
+    one) only once the stream has begun, and then sends the status it would have answered with as ``code``."""
+    code = chunk.get("error", {}).get("code") if isinstance(chunk.get("error"), dict) else None
+    message = _error_message(chunk)
+    if isinstance(code, int) and 400 <= code < 500:
+        return _error_for(code, message, chunk)
+    return EngineError(f"vLLM failed during generation: {message}")
+
+
+def _error_for(status: int, message: str, payload: Any) -> APIError:
     if status in (400, 422):
         if any(marker in message.lower() for marker in _CONTEXT_MARKERS):
             return ContextTooLong(message)
         param = payload.get("error", {}).get("param") if isinstance(payload, dict) else None
         return BadRequest(message, param=param if isinstance(param, str) else None)
     if status == 404:
-        if message == "Not Found":
-            message = (
-                f"vLLM has no route {response.request.url.path} (runtime LoRA loading needs "
-                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True on the server)"
-            )
         return NotFound(message, param="model", code="model_not_found")
     if status == 429:
         return RateLimited(message)

