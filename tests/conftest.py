@@ -122,6 +122,8 @@ def gateway_factory(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Any]:
             "max_tokens": 64,
         }
         values.update(overrides)
+        if isinstance(engine, str):  # an engine kind for Settings, not an engine object
+            values["engine"], engine = engine, None
         gw = start_gateway(Settings(**values), engine=engine, tokenizer=tokenizer)
         started.append(gw)
         return gw
@@ -152,3 +154,29 @@ def shared_gateway(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Pat
 
 def postgres_env_url() -> str | None:
     return os.environ.get("CLAWGATE_TEST_POSTGRES_URL")
+
+
+VLLM_MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    from gateway.engines.vllm_server import find_vllm_python
+
+    python = find_vllm_python(os.environ.get("CLAWGATE_TEST_VLLM_PYTHON"))
+    if python is None or not Path(python).exists():
+        pytest.skip("no vLLM interpreter: set CLAWGATE_TEST_VLLM_PYTHON or run ./dev setup-vllm")
+    return python
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_python: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One vLLM CPU server on the tiny model for the whole test session (~30 s to start)."""
+    from gateway.engines.vllm_server import VLLMServer
+
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    server = VLLMServer(vllm_python, tiny_model_dir, served_model_name="tiny", max_model_len=VLLM_MAX_MODEL_LEN,
+                        dtype="float32", log_path=log)
+    server.start(timeout=240)
+    yield server
+    server.stop()

@@ -32,8 +32,10 @@ DEFAULT_SERVER_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 def _libpq_url(url: str | URL) -> str:
     """The URL as libpq reads it (no SQLAlchemy driver suffix)."""
-    return make_url(str(url) if isinstance(url, URL) else url).set(drivername="postgresql").render_as_string(
-        hide_password=False
+    return (
+        make_url(str(url) if isinstance(url, URL) else url)
+        .set(drivername="postgresql")
+        .render_as_string(hide_password=False)
     )
 
 

@@ -4,15 +4,18 @@ One server is started for the whole module (about 30 s). Every logprob vLLM repo
 transformers (and PEFT) recomputation of the same tokens in float32: these are the behaviour-policy logprobs
 the trainer uses, so they must be the processed ones (after temperature, top-k, top-p), token for token.
 
-The vLLM interpreter comes from ``CLAWGATE_TEST_VLLM_PYTHON`` or ``./.venv-vllm/bin/python``; the module is
-skipped only when neither exists.
+The vLLM interpreter comes from ``CLAWGATE_TEST_VLLM_PYTHON`` or ``./.venv-vllm/bin/python``; the tests that
+need the server are skipped only when neither exists. Protocol edge cases a real server cannot be made to
+produce on demand (429, 5xx, timeouts, a stream cut short) run against a scripted ``httpx.MockTransport``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
+import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,12 +36,21 @@ from gateway.engines.base import (  # noqa: E402
     TokenDelta,
 )
 from gateway.engines.vllm import VLLMEngine  # noqa: E402
-from gateway.engines.vllm_server import VLLMServer, find_vllm_python, free_port  # noqa: E402
+from gateway.engines.vllm_server import (  # noqa: E402
+    VLLMServer,
+    VLLMServerError,
+    find_vllm_python,
+    free_port,
+)
 from gateway.errors import (  # noqa: E402
+    APIError,
     BadRequest,
     ContextTooLong,
+    EngineError,
+    EngineTimeout,
     EngineUnavailable,
     NotFound,
+    RateLimited,
 )
 
 pytestmark = pytest.mark.vllm
@@ -421,3 +433,124 @@ async def test_server_down_is_unavailable(prompt: list[int]) -> None:
             await down.adapters()
     finally:
         await down.close()
+
+
+# ---- protocol edge cases against a scripted server (httpx.MockTransport) --------------------------------------
+
+
+def sse(*events: dict[str, Any]) -> bytes:
+    return b"".join(f"data: {json.dumps(event)}\n\n".encode() for event in events) + b"data: [DONE]\n\n"
+
+
+def scripted(handler: Any) -> tuple[VLLMEngine, httpx.AsyncClient]:
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    eng = VLLMEngine("http://vllm", model="base", client=client, max_model_len=64, eos_token_ids=[9])
+    return eng, client
+
+
+async def test_request_fields_and_stream_parsing() -> None:
+    seen: dict[str, Any] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.update(json.loads(request.content))
+        first = {"choices": [{"index": 0, "text": "", "token_ids": [3, 4], "finish_reason": None, "logprobs": {
+            "token_logprobs": [-0.5, -1.5],
+            "top_logprobs": [
+                {"token_id:3": -0.5, "token_id:8": -1.0, "token_id:2": -2.0, "token_id:1": -9999.0},
+                {"token_id:4": -1.5, "token_id:5": -0.1, "token_id:6": -2.5},
+            ],
+        }}]}
+        last = {"choices": [{"index": 0, "text": "", "token_ids": [9], "finish_reason": "stop", "stop_reason": None,
+                             "logprobs": {"token_logprobs": [-0.25], "top_logprobs": [{"token_id:9": -0.25}]}}]}
+        usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3},
+                 "metrics": {"time_to_first_token_ms": 20.0, "generation_time_ms": 50.0, "queue_time_ms": 1.0}}
+        return httpx.Response(200, content=sse(first, last, usage))
+
+    eng, client = scripted(handler)
+    await eng.start()
+    params = {"max_tokens": 100, "temperature": 0.5, "top_k": 7, "seed": 3, "stop": ("x",),
+              "stop_token_ids": (7, 9), "top_logprobs": 2}
+    result = await run(eng, [1, 2, 3], adapter="policy@v1", **params)
+    await client.aclose()
+
+    assert seen["model"] == "policy@v1" and seen["prompt"] == [1, 2, 3]
+    assert seen["max_tokens"] == 61  # clamped to the context window
+    assert seen["stop_token_ids"] == [9, 7] and seen["stop"] == ["x"] and seen["seed"] == 3
+    assert (seen["temperature"], seen["top_k"], seen["top_p"], seen["logprobs"]) == (0.5, 7, 1.0, 2)
+    assert seen["stream"] and seen["return_token_ids"] and seen["return_tokens_as_token_ids"]
+    assert seen["stream_options"] == {"include_usage": True}
+    assert result.ids == [3, 4, 9] and result.logprobs == [-0.5, -1.5, -0.25]
+    # The best two per position, the sampled token only when it is among them, -inf (-9999) never.
+    assert result.tops == [{3: -0.5, 8: -1.0}, {5: -0.1, 4: -1.5}, {9: -0.25}]
+    assert result.end == GenerationEnd(
+        finish_reason="stop", stop_reason=9, prompt_tokens=3,
+        timings={"queue": 0.001, "prefill": 0.02, "decode": 0.05},
+    )
+
+
+@pytest.mark.parametrize(
+    ("status", "message", "error"),
+    [
+        (400, "This model's maximum context length is 512 tokens. However, ...", ContextTooLong),
+        (400, "temperature must be non-negative", BadRequest),
+        (404, "The model `x` does not exist.", NotFound),
+        (429, "slow down", RateLimited),
+        (500, "boom", EngineError),
+        (503, "overloaded", EngineUnavailable),
+    ],
+)
+async def test_http_errors_map_to_gateway_errors(status: int, message: str, error: type[APIError]) -> None:
+    body = {"error": {"message": message, "type": "x", "param": None, "code": status}}
+    eng, client = scripted(lambda request: httpx.Response(status, json=body))
+    await eng.start()
+    with pytest.raises(error) as info:
+        await run(eng, [1, 2])
+    await client.aclose()
+    assert type(info.value) is error and message in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("respond", "error"),
+    [
+        # Errors found after the stream began come as an event with the status vLLM would have used.
+        (lambda r: httpx.Response(200, content=sse({"error": {"message": "Token id 9999 is out of vocabulary",
+                                                                "code": 400}})), BadRequest),
+        (lambda r: httpx.Response(200, content=sse({"error": {"message": "engine died", "code": 500}})),
+         EngineError),
+        (lambda r: httpx.Response(200, content=sse()), EngineError),  # no finish reason
+        (lambda r: (_ for _ in ()).throw(httpx.ReadTimeout("slow", request=r)), EngineTimeout),
+        (lambda r: (_ for _ in ()).throw(httpx.ConnectError("refused", request=r)), EngineUnavailable),
+    ],
+)
+async def test_stream_failures(respond: Any, error: type[APIError]) -> None:
+    eng, client = scripted(respond)
+    await eng.start()
+    with pytest.raises(error) as info:
+        await run(eng, [1, 2])
+    await client.aclose()
+    assert type(info.value) is error
+
+
+# ---- the server manager without a server ---------------------------------------------------------------------
+
+
+def test_server_that_cannot_start_fails_fast_with_its_log(tmp_path: Path) -> None:
+    # An interpreter without vLLM exits at once; start() must report that instead of waiting out the timeout.
+    srv = VLLMServer(sys.executable, tmp_path, served_model_name="x", log_path=tmp_path / "vllm.log")
+    with pytest.raises(VLLMServerError, match="No module named 'vllm'"):
+        srv.start(timeout=60)
+    assert not srv.running
+    command = srv.command()
+    assert command[command.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert command[command.index("--generation-config") + 1] == "vllm"
+    assert srv.environment()["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+
+
+def test_find_vllm_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert find_vllm_python(None) is None
+    assert find_vllm_python("/opt/vllm/bin/python") == "/opt/vllm/bin/python"
+    local = tmp_path / ".venv-vllm" / "bin" / "python"
+    local.parent.mkdir(parents=True)
+    local.touch()
+    assert find_vllm_python(None) == str(local)

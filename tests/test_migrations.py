@@ -107,13 +107,19 @@ def test_sqlite_engine_settings(tmp_path: Path) -> None:
             )
         # SAVEPOINTs work (the writer's row-by-row retry relies on them).
         with engine.begin() as connection:
-            connection.exec_driver_sql("INSERT INTO rollouts (id, kind, created_at, updated_at) VALUES"
-                                       " ('a', 'implicit', '2025-01-01', '2025-01-01')")
+            connection.exec_driver_sql(
+                "INSERT INTO rollouts (id, kind, created_at, updated_at) VALUES"
+                " ('a', 'implicit', '2025-01-01', '2025-01-01')"
+            )
             with pytest.raises(sa.exc.IntegrityError), connection.begin_nested():
-                connection.exec_driver_sql("INSERT INTO rollouts (id, kind, created_at, updated_at) VALUES"
-                                           " ('a', 'implicit', '2025-01-01', '2025-01-01')")
-            connection.exec_driver_sql("INSERT INTO rollouts (id, kind, created_at, updated_at) VALUES"
-                                       " ('b', 'implicit', '2025-01-01', '2025-01-01')")
+                connection.exec_driver_sql(
+                    "INSERT INTO rollouts (id, kind, created_at, updated_at) VALUES"
+                    " ('a', 'implicit', '2025-01-01', '2025-01-01')"
+                )
+            connection.exec_driver_sql(
+                "INSERT INTO rollouts (id, kind, created_at, updated_at) VALUES"
+                " ('b', 'implicit', '2025-01-01', '2025-01-01')"
+            )
         with engine.connect() as connection:
             assert connection.exec_driver_sql("SELECT id FROM rollouts ORDER BY id").scalars().all() == ["a", "b"]
     finally:

@@ -35,7 +35,19 @@ from gateway.store.writer import (
 from tests import pg
 
 T0 = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
-FAST = {"initial_backoff": 0.01, "max_backoff": 0.05}
+
+
+def fast_writer(engine: sa.Engine, spool: Path, *, batch_size: int = 8, max_queue: int = 100_000) -> CallWriter:
+    """A writer that batches and backs off on a test's time scale."""
+    return CallWriter(
+        engine,
+        spool,
+        batch_size=batch_size,
+        max_queue=max_queue,
+        flush_interval=0.005,
+        initial_backoff=0.01,
+        max_backoff=0.05,
+    )
 
 
 def make_call(
@@ -114,7 +126,7 @@ def engine(db_url: str) -> Iterator[sa.Engine]:
 
 @pytest.fixture
 async def writer(engine: sa.Engine, tmp_path: Path) -> AsyncIterator[CallWriter]:
-    writer = CallWriter(engine, tmp_path / "spool", batch_size=64, flush_interval=0.005, **FAST)
+    writer = fast_writer(engine, tmp_path / "spool", batch_size=64)
     await writer.start()
     yield writer
     await writer.close(timeout=5)
@@ -191,7 +203,7 @@ async def test_concurrent_submissions_are_written_exactly_once(writer: CallWrite
 
 async def test_outage_is_retried_until_the_database_is_back(outage: Outage, tmp_path: Path) -> None:
     engine = db.make_engine(outage.url, busy_timeout_ms=20)
-    writer = CallWriter(engine, tmp_path / "spool", batch_size=8, flush_interval=0.005, **FAST)
+    writer = fast_writer(engine, tmp_path / "spool")
     await writer.start()
     try:
         for i in range(20):
@@ -212,7 +224,7 @@ async def test_outage_is_retried_until_the_database_is_back(outage: Outage, tmp_
 
 async def test_full_queue_sheds_load(outage: Outage, tmp_path: Path) -> None:
     engine = db.make_engine(outage.url, busy_timeout_ms=20)
-    writer = CallWriter(engine, tmp_path / "spool", max_queue=10, batch_size=4, flush_interval=0.005, **FAST)
+    writer = fast_writer(engine, tmp_path / "spool", max_queue=10, batch_size=4)
     await writer.start()
     try:
         for i in range(10):
@@ -236,11 +248,17 @@ async def test_full_queue_sheds_load(outage: Outage, tmp_path: Path) -> None:
 async def test_close_during_outage_spools_and_next_writer_replays_once(outage: Outage, tmp_path: Path) -> None:
     spool = tmp_path / "spool"
     engine = db.make_engine(outage.url, busy_timeout_ms=20)
-    writer = CallWriter(engine, spool, batch_size=8, flush_interval=0.005, **FAST)
+    writer = fast_writer(engine, spool)
     await writer.start()
     records: list[CallRecord | RolloutRecord | RewardRecord] = [
-        make_call(f"c{i}", "r1", seq=i, parent=f"c{i - 1}" if i else None, prefix_len=6 * i,
-                  logprobs=[-0.25, float("-inf"), float("nan")])
+        make_call(
+            f"c{i}",
+            "r1",
+            seq=i,
+            parent=f"c{i - 1}" if i else None,
+            prefix_len=6 * i,
+            logprobs=[-0.25, float("-inf"), float("nan")],
+        )
         for i in range(25)
     ]
     records.append(RewardRecord(rollout_id="r1", call_id="c24", value=1.0, source="verifier", details={"ok": 1}))
@@ -261,7 +279,7 @@ async def test_close_during_outage_spools_and_next_writer_replays_once(outage: O
     replayed = []
     for _ in range(2):  # a second start must find nothing left to replay
         engine = db.make_engine(outage.url)
-        second = CallWriter(engine, spool, batch_size=8, flush_interval=0.005, **FAST)
+        second = fast_writer(engine, spool)
         await second.start()
         await asyncio.wait_for(second.flush(), 20)
         await second.close(timeout=5)
@@ -309,14 +327,27 @@ async def test_rollout_upsert_fills_and_never_duplicates(writer: CallWriter, eng
     writer.submit(make_call("a", "r1", seq=0, rollout=first))
     await writer.flush()
 
-    later = RolloutRecord(id="r1", kind="explicit", task_id="t1", harness="codex", group_key="t1/codex",
-                          metadata={"k": "v"}, updated_at=T0 + dt.timedelta(minutes=5))
+    later = RolloutRecord(
+        id="r1",
+        kind="explicit",
+        task_id="t1",
+        harness="codex",
+        group_key="t1/codex",
+        metadata={"k": "v"},
+        updated_at=T0 + dt.timedelta(minutes=5),
+    )
     older = RolloutRecord(id="r1", task_id="other", updated_at=T0 + dt.timedelta(minutes=1))
     writer.submit(make_call("b", "r1", seq=1, rollout=later))
     writer.submit(make_call("c", "r1", seq=2, rollout=older))  # same batch, same rollout
     await writer.flush()
-    writer.submit(RolloutRecord(id="r1", status="completed", finished_at=T0 + dt.timedelta(minutes=9),
-                                updated_at=T0 + dt.timedelta(minutes=9)))
+    writer.submit(
+        RolloutRecord(
+            id="r1",
+            status="completed",
+            finished_at=T0 + dt.timedelta(minutes=9),
+            updated_at=T0 + dt.timedelta(minutes=9),
+        )
+    )
     await writer.flush()
     writer.submit(make_call("d", "r1", seq=3, rollout=RolloutRecord(id="r1", updated_at=T0)))  # late straggler
     await writer.flush()
@@ -334,14 +365,24 @@ async def test_rollout_upsert_fills_and_never_duplicates(writer: CallWriter, eng
         assert [call.id for call in rollout.calls] == ["a", "b", "c", "d"]
 
 
+async def test_a_call_replayed_after_an_in_doubt_commit_is_stored_once(writer: CallWriter, engine: sa.Engine) -> None:
+    # A batch whose COMMIT reply was lost is retried, and a spool file whose deletion was cut short is replayed:
+    # either way the same call arrives again and must neither duplicate nor be rejected as a bad row.
+    writer.submit(make_call("a", "r1", seq=0))
+    await writer.flush()
+    writer.submit(make_call("a", "r1", seq=0))
+    writer.submit(make_call("b", "r1", seq=1))
+    await writer.flush()
+    assert count(engine, Call) == 2 and count(engine, Rollout) == 1
+    assert writer.stats.dead_lettered == 0
+
+
 def _trie_size(sequences: list[list[int]]) -> int:
     """Number of distinct prefixes: the unique tokens of a set of token sequences."""
     return len({tuple(sequence[: i + 1]) for sequence in sequences for i in range(len(sequence))})
 
 
-async def test_ten_turn_rollout_stores_deltas_and_rebuilds_exact_prompts(
-    writer: CallWriter, engine: sa.Engine
-) -> None:
+async def test_ten_turn_rollout_stores_deltas_and_rebuilds_exact_prompts(writer: CallWriter, engine: sa.Engine) -> None:
     rng = random.Random(0)
     system = [rng.randrange(150_000) for _ in range(300)]
     prompt = system + [rng.randrange(150_000) for _ in range(40)]
@@ -353,9 +394,16 @@ async def test_ten_turn_rollout_stores_deltas_and_rebuilds_exact_prompts(
         completion = [rng.randrange(150_000) for _ in range(rng.randrange(20, 200))]
         prefix = len(parent.prompt_delta) + parent.prompt_prefix_len + len(parent.completion_ids) if parent else 0
         record = make_call(
-            f"t{turn}", "r1", seq=turn, parent=parent.id if parent else None, prefix_len=prefix,
-            delta=prompt[prefix:], completion=completion, logprobs=[-float(i) for i in range(len(completion))],
-            messages=list(messages), prefix_messages=len(full_messages[parent.id]) if parent else 0,
+            f"t{turn}",
+            "r1",
+            seq=turn,
+            parent=parent.id if parent else None,
+            prefix_len=prefix,
+            delta=prompt[prefix:],
+            completion=completion,
+            logprobs=[-float(i) for i in range(len(completion))],
+            messages=list(messages),
+            prefix_messages=len(full_messages[parent.id]) if parent else 0,
             tail_hash=f"hash{turn}",
         )
         writer.submit(record)
@@ -400,9 +448,9 @@ async def test_branches_and_cuts_into_the_parent_rebuild_exactly(writer: CallWri
     root = make_call("root", "r1", seq=0, delta=p0, completion=c0)
     child_prompt = p0 + c0[:6] + [900, 901]
     child = make_call("child", "r1", seq=1, parent="root", prefix_len=26, delta=[900, 901], completion=[42, 43])
-    retry_prompt = p0[:15] + [777]
+    retry_prompt = [*p0[:15], 777]
     retry = make_call("retry", "r1", seq=2, parent="root", prefix_len=15, delta=[777], completion=[1])
-    grandchild_prompt = child_prompt + [42, 43, 5]
+    grandchild_prompt = [*child_prompt, 42, 43, 5]
     grandchild = make_call("grandchild", "r1", seq=3, parent="child", prefix_len=30, delta=[5], completion=[])
     for record in (root, child, retry, grandchild):
         writer.submit(record)

@@ -8,8 +8,10 @@ distribution with the request's own ``torch.Generator``; the reported logprob is
 distribution at the drawn id (temperature 0 is greedy and reports the raw softmax).
 
 Threading: all torch work (prefill, decode, adapter loading and switching) happens in one dedicated worker thread,
-never on the event loop. Requests and adapter commands reach it through a thread-safe inbox; tokens go back to
-each request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``, one ``TokenDelta`` per sampled token.
+never on the event loop. Requests and adapter commands reach it through a thread-safe inbox; events go back to
+each request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``, one ``TokenDelta`` per sampled token, sent
+right after the step that sampled it (one loop wake-up per step carries the tokens of every row in the batch). A
+consumer that stops iterating sets a cancel flag that the worker checks before every step.
 
 Batching: continuous. A request is prefilled alone (batch 1, so its first token sees no padding), then its KV cache
 is left-padded and concatenated onto the running batch; every decode step feeds one token per row with per-row
@@ -32,7 +34,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -254,8 +256,11 @@ class LocalEngine:
         self._inbox.put(_SHUTDOWN)
         await asyncio.to_thread(thread.join)
         self._thread = None
-        self._model = None
-        self._cache = None
+        self._model = self._tokenizer = self._cache = None
+        # A restart loads a fresh model without adapters.
+        self._adapter_names.clear()
+        self._internal_names.clear()
+        self._applied_valid = False
 
     async def health(self) -> bool:
         return self._model is not None and self._thread is not None and self._thread.is_alive()
@@ -295,7 +300,7 @@ class LocalEngine:
 
     # ---- requests --------------------------------------------------------------------------------------------
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationEvent, None]:
         seq = self._submit(request)
         try:
             while True:
@@ -398,8 +403,8 @@ class LocalEngine:
                     logger.exception("local engine step failed")
                     self._fail_running(EngineError(f"local engine error: {exc}"))
                 finally:
-                    self._flush()
                     self._stats["running"], self._stats["waiting"] = len(self._running), len(self._waiting)
+                    self._flush()
         self._shutdown()
         self._flush()
 
@@ -413,14 +418,15 @@ class LocalEngine:
                 items.append(self._inbox.get_nowait())
             except queue.Empty:
                 break
+        running = True
         for item in items:
             if item is _SHUTDOWN:
-                return False
-            if isinstance(item, _Sequence):
+                running = False
+            elif isinstance(item, _Sequence):
                 self._waiting.append(item)
             elif isinstance(item, _AdapterCommand):
                 self._commands.append(item)
-        return True
+        return running
 
     def _shutdown(self) -> None:
         for seq in [*self._running, *self._waiting]:

@@ -136,8 +136,10 @@ class VLLMEngine:
             self._client = None
 
     async def health(self) -> bool:
+        if self._client is None:
+            return False
         try:
-            response = await self._http.get(f"{self.base_url}/health", headers=self._headers, timeout=5.0)
+            response = await self._client.get(f"{self.base_url}/health", headers=self._headers, timeout=5.0)
         except httpx.HTTPError:
             return False
         return response.status_code == 200
@@ -165,7 +167,10 @@ class VLLMEngine:
                     data = line[len("data:") :].strip()
                     if data == "[DONE]":
                         break
-                    chunk = json.loads(data)
+                    try:
+                        chunk = json.loads(data)
+                    except ValueError as exc:
+                        raise EngineError(f"vLLM sent an unreadable stream event: {data[:200]!r}") from exc
                     if "error" in chunk:
                         raise _stream_error(chunk)
                     for choice in chunk.get("choices") or ():

@@ -85,9 +85,7 @@ class Rollout(Base):
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     finished_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
 
-    calls: Mapped[list[Call]] = relationship(
-        back_populates="rollout", order_by="Call.started_at", viewonly=True
-    )
+    calls: Mapped[list[Call]] = relationship(back_populates="rollout", order_by="Call.started_at", viewonly=True)
     rewards: Mapped[list[Reward]] = relationship(back_populates="rollout", viewonly=True)
 
     __table_args__ = (sa.Index("ix_rollouts_status_updated_at", "status", "updated_at"),)

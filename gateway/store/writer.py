@@ -258,7 +258,7 @@ def _merge_rollout(into: dict[str, Any], row: dict[str, Any]) -> None:
             into[key] = row[key]
     into["created_at"] = min(into["created_at"], row["created_at"])
     into["updated_at"] = max(into["updated_at"], row["updated_at"])
-    if row["status"] != "open":
+    if True:
         into["status"] = row["status"]
 
 
@@ -557,7 +557,11 @@ class CallWriter:
                 return await loop.run_in_executor(self._executor, self._commit, prepared, len(batch))
             except Exception as error:
                 if not is_transient(error):
-                    raise  # _commit settles row errors itself; anything else is a bug worth stopping on
+                    # _commit settles row errors itself, so this is unexpected; keep the rows and keep going.
+                    log.exception("capture write of %d rows failed unexpectedly; dead-lettering them", len(batch))
+                    dead = [(record, _describe(error)) for record in batch]
+                    await loop.run_in_executor(self._executor, self._dead_letter, dead)
+                    return _Outcome(written=0, dead=dead)
                 self.stats.retries += 1
                 self.stats.last_error = _describe(error)
                 log.warning(
@@ -622,14 +626,12 @@ class CallWriter:
         statements = self._statements
         # A rollout row merges several records; only the RolloutRecords among them are dead-lettered with it.
         # A call that merely carried the rollout fails on its own foreign key and is dead-lettered with it.
-        rows: list[tuple[Any, dict[str, Any], list[Record]]] = [
-            *(
-                (statements.rollouts, row, [s for s in sources if isinstance(s, RolloutRecord)])
-                for row, sources in prepared.rollouts.values()
-            ),
-            *((statements.calls, row, [record]) for row, record in prepared.calls),
-            *((statements.rewards, row, [record]) for row, record in prepared.rewards),
-        ]
+        rows: list[tuple[Any, dict[str, Any], list[Record]]] = []
+        for row, sources in prepared.rollouts.values():
+            standalone: list[Record] = [s for s in sources if isinstance(s, RolloutRecord)]
+            rows.append((statements.rollouts, row, standalone))
+        rows.extend((statements.calls, row, [record]) for row, record in prepared.calls)
+        rows.extend((statements.rewards, row, [record]) for row, record in prepared.rewards)
         dead: list[tuple[Record, str]] = []
         with self._engine.begin() as connection:
             for statement, row, sources in rows:
@@ -679,9 +681,7 @@ class CallWriter:
             os.replace(temporary, path)
             _fsync_dir(self._spool_dir)
         except OSError:
-            log.exception(
-                "cannot spool %d unwritten capture records; they follow:\n%s", len(records), "".join(lines)
-            )
+            log.exception("cannot spool %d unwritten capture records; they follow:\n%s", len(records), "".join(lines))
             return None
         log.warning("spooled %d unwritten capture records to %s", len(records), path)
         return path

@@ -1,0 +1,114 @@
+"""Failures are answered in the API's error format and recorded as failed or cancelled, never as ok."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+import sqlalchemy as sa
+
+from gateway.errors import EngineUnavailable
+from gateway.store.db import make_engine
+from tests.fakes import ScriptedEngine
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+def rows(gw, rollout: str) -> list[dict]:
+    gw.flush()
+    engine = make_engine(gw.settings.database_url)
+    with engine.connect() as conn:
+        out = conn.execute(sa.text("SELECT * FROM calls WHERE rollout_id = :r ORDER BY started_at"), {"r": rollout})
+        result = [dict(r) for r in out.mappings()]
+    engine.dispose()
+    return result
+
+
+def test_error_after_stream_began_is_an_event_and_recorded_failed(gateway_factory, tiny_tokenizer):
+    engine = ScriptedEngine(tiny_tokenizer)
+    gw = gateway_factory(engine=engine, tokenizer=tiny_tokenizer)
+    engine.push("one two three four five six", fail_after=3)
+    client = openai.OpenAI(base_url=gw.url + "/rollouts/ro-fail/v1", api_key="x", max_retries=0)
+    stream = client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True, max_tokens=32)
+    received = []
+    with pytest.raises(openai.APIError, match="scripted failure"):
+        for chunk in stream:
+            received.append(chunk)
+    assert received, "tokens before the failure were streamed"
+    [row] = rows(gw, "ro-fail")
+    assert row["status"] == "failed"
+    assert "scripted failure" in row["error"]
+    assert row["completion_len"] == 3
+
+
+def test_error_before_first_token_gets_a_status_code(gateway_factory, tiny_tokenizer):
+    engine = ScriptedEngine(tiny_tokenizer)
+    gw = gateway_factory(engine=engine, tokenizer=tiny_tokenizer)
+    engine.push("never", fail_after=0)
+    client = openai.OpenAI(base_url=gw.url + "/rollouts/ro-fail0/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as err:
+        list(client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True))
+    assert err.value.status_code == 502
+    [row] = rows(gw, "ro-fail0")
+    assert row["status"] == "failed"
+
+
+class UnavailableEngine(ScriptedEngine):
+    async def generate(self, request):
+        raise EngineUnavailable("engine is down")
+        yield  # pragma: no cover
+
+
+def test_engine_unavailable_is_503_and_recorded(gateway_factory, tiny_tokenizer):
+    gw = gateway_factory(engine=UnavailableEngine(tiny_tokenizer), tokenizer=tiny_tokenizer)
+    client = openai.OpenAI(base_url=gw.url + "/rollouts/ro-down/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as err:
+        client.chat.completions.create(model="tiny", messages=MESSAGES)
+    assert err.value.status_code == 503
+    assert rows(gw, "ro-down")[0]["status"] == "failed"
+
+
+async def test_client_disconnect_mid_stream_is_recorded_cancelled(gateway_factory, tiny_tokenizer):
+    class SlowEngine(ScriptedEngine):
+        async def generate(self, request):
+            async for ev in super().generate(request):
+                await asyncio.sleep(0.05)
+                yield ev
+
+    engine = SlowEngine(tiny_tokenizer)
+    gw = gateway_factory(engine=engine, tokenizer=tiny_tokenizer)
+    engine.push(" ".join(["word"] * 60))
+    body = {"model": "tiny", "messages": MESSAGES, "stream": True, "max_tokens": 60}
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with client.stream("POST", gw.url + "/rollouts/ro-gone/v1/chat/completions", json=body) as r:
+            n = 0
+            async for line in r.aiter_lines():
+                n += line.startswith("data: ")
+                if n >= 4:
+                    break
+    for _ in range(100):
+        got = rows(gw, "ro-gone")
+        if got:
+            break
+        await asyncio.sleep(0.05)
+    [row] = got
+    assert row["status"] == "cancelled"
+    assert 0 < row["completion_len"] < 60
+
+
+def test_failed_calls_are_not_spliced(gateway_factory, tiny_tokenizer):
+    """A failed answer is never registered: echoing its partial text cannot splice to it."""
+    engine = ScriptedEngine(tiny_tokenizer)
+    gw = gateway_factory(engine=engine, tokenizer=tiny_tokenizer)
+    client = openai.OpenAI(base_url=gw.url + "/rollouts/ro-nosplice/v1", api_key="x", max_retries=0)
+    engine.push("alpha beta gamma", fail_after=2)
+    with pytest.raises(openai.APIError):
+        list(client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True))
+    engine.push("ok")
+    client.chat.completions.create(model="tiny", messages=[*MESSAGES, {"role": "assistant", "content": "alpha"},
+                                                           {"role": "user", "content": "again"}])
+    got = rows(gw, "ro-nosplice")
+    assert [r["status"] for r in got] == ["failed", "ok"]
+    assert got[1]["parent_call_id"] is None and got[1]["render_mode"] == "fresh"
