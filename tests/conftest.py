@@ -152,8 +152,23 @@ def shared_gateway(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Pat
     stop_gateway(gw)
 
 
-def postgres_env_url() -> str | None:
-    return os.environ.get("CLAWGATE_TEST_POSTGRES_URL")
+@pytest.fixture(scope="session")
+def postgres_server_url() -> Iterator[str]:
+    """A PostgreSQL server: CLAWGATE_TEST_POSTGRES_URL, else 127.0.0.1:5432, else a throw-away cluster."""
+    from tests import pg
+
+    with pg.postgres_server(os.environ.get("CLAWGATE_TEST_POSTGRES_URL")) as url:
+        yield url
+
+
+@pytest.fixture
+def postgres_url(postgres_server_url: str) -> Iterator[str]:
+    """A fresh, migrated database on the test server, dropped afterwards."""
+    from tests import pg
+
+    with pg.fresh_database(postgres_server_url) as url:
+        db.upgrade(url)
+        yield url
 
 
 VLLM_MAX_MODEL_LEN = 1024

@@ -275,19 +275,34 @@ async def test_close_during_outage_spools_and_next_writer_replays_once(outage: O
     with pytest.raises(EngineUnavailable):
         writer.submit(make_call("late", "r1"))  # a closed writer refuses rather than dropping
 
+    # A restart while the database is still down: the file is replayed, fails, and is re-spooled as one file.
+    engine = db.make_engine(outage.url, busy_timeout_ms=20)
+    interim = fast_writer(engine, spool)
+    await interim.start()
+    await wait_until(lambda: interim.stats.retries >= 1)
+    await interim.close(timeout=0.2)
+    engine.dispose()
+    respooled = sorted(spool.glob("pending-*.jsonl"))
+    assert len(respooled) == 1 and respooled != pending
+    assert interim.stats.replayed == interim.stats.spooled == len(records)
+
     outage.restore()
     replayed = []
-    for _ in range(2):  # a second start must find nothing left to replay
+    for attempt in range(2):  # a second start must find nothing left to replay
         engine = db.make_engine(outage.url)
         second = fast_writer(engine, spool)
+        if attempt == 0:
+            # Submitted before start(): still written after the spooled rows, so its parent exists by then.
+            second.submit(make_call("c25", "r1", seq=25, parent="c24", prefix_len=150))
         await second.start()
         await asyncio.wait_for(second.flush(), 20)
         await second.close(timeout=5)
         replayed.append(second.stats.replayed)
         assert not list(spool.glob("pending-*"))
         with Session(engine) as session:
-            assert session.scalar(sa.select(sa.func.count()).select_from(Call)) == 25
+            assert session.scalar(sa.select(sa.func.count()).select_from(Call)) == 26
             assert session.scalar(sa.select(sa.func.count()).select_from(Reward)) == 1
+            assert second.stats.dead_lettered == 0
             rollout = session.get(Rollout, "r1")
             assert rollout is not None and rollout.status == "completed"
             assert rollout.finished_at == T0 + dt.timedelta(hours=1)
@@ -351,10 +366,16 @@ async def test_rollout_upsert_fills_and_never_duplicates(writer: CallWriter, eng
     await writer.flush()
     writer.submit(make_call("d", "r1", seq=3, rollout=RolloutRecord(id="r1", updated_at=T0)))  # late straggler
     await writer.flush()
+    # The same within one batch: finished, then a straggler's "open" record.
+    writer.submit(RolloutRecord(id="r2", status="aborted", updated_at=T0 + dt.timedelta(minutes=2)))
+    writer.submit(make_call("e", "r2", seq=4, rollout=RolloutRecord(id="r2", task_id="t2", updated_at=T0)))
+    await writer.flush()
 
     with Session(engine) as session:
-        rows = session.scalars(sa.select(Rollout)).all()
-        assert len(rows) == 1
+        rows = session.scalars(sa.select(Rollout).order_by(Rollout.id)).all()
+        assert [row.id for row in rows] == ["r1", "r2"]
+        assert (rows[1].status, rows[1].task_id) == ("aborted", "t2")
+        assert rows[1].updated_at == T0 + dt.timedelta(minutes=2)
         rollout = rows[0]
         assert (rollout.task_id, rollout.harness, rollout.group_key) == ("t1", "codex", "t1/codex")
         assert rollout.metadata_ == {"k": "v"}
@@ -443,26 +464,74 @@ async def test_ten_turn_rollout_stores_deltas_and_rebuilds_exact_prompts(writer:
 
 async def test_branches_and_cuts_into_the_parent_rebuild_exactly(writer: CallWriter, engine: sa.Engine) -> None:
     # root: prompt P0, completion C0. child: template re-rendered the end of C0 (prefix cuts into it).
-    # retry: a sibling of `child` that shares only part of root's prompt. grandchild extends `child`.
+    # retry: a sibling of `child` that shares only part of root's prompt and messages (an edited history).
+    # grandchild extends `child`, but its harness dropped child's last message (compaction).
+    def m(name: str) -> dict[str, Any]:
+        return {"role": "user", "content": name}
+
     p0, c0 = list(range(100, 120)), list(range(500, 510))
-    root = make_call("root", "r1", seq=0, delta=p0, completion=c0)
-    child_prompt = p0 + c0[:6] + [900, 901]
-    child = make_call("child", "r1", seq=1, parent="root", prefix_len=26, delta=[900, 901], completion=[42, 43])
-    retry_prompt = [*p0[:15], 777]
-    retry = make_call("retry", "r1", seq=2, parent="root", prefix_len=15, delta=[777], completion=[1])
-    grandchild_prompt = [*child_prompt, 42, 43, 5]
-    grandchild = make_call("grandchild", "r1", seq=3, parent="child", prefix_len=30, delta=[5], completion=[])
-    for record in (root, child, retry, grandchild):
+    prompts = {
+        "root": p0,
+        "child": [*p0, *c0[:6], 900, 901],
+        "retry": [*p0[:15], 777],
+        "grandchild": [*p0, *c0[:6], 900, 901, 42, 43, 5],
+    }
+    messages = {
+        "root": [m("S"), m("U1"), m("T1")],
+        "child": [m("S"), m("U1"), m("T1"), m("A1"), m("U2")],
+        "retry": [m("S"), m("U1-edited")],
+        "grandchild": [m("S"), m("U1"), m("T1"), m("A1"), m("U3")],
+    }
+    records = [
+        make_call("root", "r1", seq=0, delta=p0, completion=c0, messages=messages["root"]),
+        make_call(
+            "child",
+            "r1",
+            seq=1,
+            parent="root",
+            prefix_len=26,
+            delta=[900, 901],
+            completion=[42, 43],
+            messages=messages["child"],
+            prefix_messages=3,
+        ),
+        make_call(
+            "retry",
+            "r1",
+            seq=2,
+            parent="root",
+            prefix_len=15,
+            delta=[777],
+            completion=[1],
+            messages=messages["retry"],
+            prefix_messages=1,
+        ),
+        make_call(
+            "grandchild",
+            "r1",
+            seq=3,
+            parent="child",
+            prefix_len=30,
+            delta=[5],
+            completion=[],
+            messages=messages["grandchild"],
+            prefix_messages=4,
+        ),
+    ]
+    for record in records:
         writer.submit(record)
     await writer.flush()
 
     with Session(engine) as session:
-        expected = {"root": p0, "child": child_prompt, "retry": retry_prompt, "grandchild": grandchild_prompt}
-        for call_id, prompt in expected.items():
+        cache = repo.CallCache(session)
+        for call_id in ("child", "root", "grandchild", "retry"):  # grandchild walks through the memo of child
             call = session.get(Call, call_id)
             assert call is not None
-            assert repo.full_prompt_ids(session, call) == prompt
-            assert call.prompt_len == len(prompt)
+            assert call.prompt_len == len(prompts[call_id])
+            assert repo.full_prompt_ids(session, call) == prompts[call_id]
+            assert repo.full_prompt_ids(cache, call) == prompts[call_id]
+            assert repo.full_request(session, call)["messages"] == messages[call_id]
+            assert repo.full_request(cache, call)["messages"] == messages[call_id]
 
 
 async def test_corrupt_parent_chain_is_reported_not_guessed(writer: CallWriter, engine: sa.Engine) -> None:

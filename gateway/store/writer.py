@@ -258,7 +258,7 @@ def _merge_rollout(into: dict[str, Any], row: dict[str, Any]) -> None:
             into[key] = row[key]
     into["created_at"] = min(into["created_at"], row["created_at"])
     into["updated_at"] = max(into["updated_at"], row["updated_at"])
-    if True:
+    if row["status"] != "open":
         into["status"] = row["status"]
 
 
