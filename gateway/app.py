@@ -48,9 +48,7 @@ def make_engine(settings: Settings, tokenizer: Any) -> Engine:
         return LocalEngine(settings.model, dtype=settings.local_dtype)
     from gateway.engines.vllm import VLLMEngine
 
-    return VLLMEngine(
-        settings.vllm_url, model=settings.vllm_model or settings.model, timeout=settings.vllm_timeout
-    )
+    return VLLMEngine(settings.vllm_url, model=settings.vllm_model or settings.model, timeout=settings.vllm_timeout)
 
 
 def redact_url(url: str) -> str:
@@ -82,8 +80,9 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
                 settings.port,
             )
         metrics = Metrics()
+        store = db.make_engine(settings.database_url)
         writer = CallWriter(
-            db.make_engine(settings.database_url),
+            store,
             spool_dir=settings.data_dir / "spool",
             batch_size=settings.capture_batch_size,
             flush_interval=settings.capture_flush_interval,
@@ -102,6 +101,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
             metrics=metrics,
             max_tokens_cap=settings.max_tokens,
             parser=settings.parser,
+            db=store,
         )
         names = {settings.model_name, *(a for a in settings.model_aliases if a != "*")}
         app.state.clawgate = AppState(
@@ -129,6 +129,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
         finally:
             await eng.close()
             await writer.close(timeout=30.0)
+            store.dispose()
 
     app = FastAPI(title="clawgate", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.include_router(openai_api.router)
@@ -170,9 +171,7 @@ def install_error_handlers(app: FastAPI) -> None:
             err = APIError(str(exc.detail))
             err.status_code = exc.status_code
             return respond(err)
-        message = (
-            f"{request.method} {request.url.path} not found" if exc.status_code == 404 else str(exc.detail)
-        )
+        message = f"{request.method} {request.url.path} not found" if exc.status_code == 404 else str(exc.detail)
         return respond(cls(message))
 
     @app.exception_handler(Exception)

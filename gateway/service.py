@@ -21,6 +21,10 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+import sqlalchemy as sa
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
 from gateway.conversation import Message, ToolCall, ToolSpec, exact_hash, extend_hash, output_hash
 from gateway.detokenize import IncrementalDetokenizer
 from gateway.engines.base import Engine, GenerationEnd, GenerationRequest, SamplingParams, TokenDelta
@@ -31,6 +35,8 @@ from gateway.parsers.base import OutputParser, ParseDelta, ParsedOutput, ToolCal
 from gateway.render import Renderer
 from gateway.sessions import CallEntry, PromptPlan, SessionIndex, plan_prompt
 from gateway.stops import StopTrimmer
+from gateway.store import codec, repo
+from gateway.store.models import Call, Rollout
 from gateway.store.writer import CallRecord, CallWriter, RolloutRecord
 
 if TYPE_CHECKING:
@@ -142,6 +148,7 @@ class ChatService:
         parser: str = "hermes",
         adapter: str | None = None,
         policy_version: int | None = None,
+        db: sa.Engine | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -153,6 +160,7 @@ class ChatService:
         self.parser_cls = get_parser(parser)
         self.adapter = adapter
         self.policy_version = policy_version
+        self.db = db
 
     # -- prepare --------------------------------------------------------------------------------------------
     async def prepare(self, job: ChatJob) -> Prepared:
@@ -207,10 +215,41 @@ class ChatService:
     def _plan(self, job: ChatJob, scope: str | None) -> tuple[PromptPlan, list[bytes]]:
         if job.prompt_ids is not None:
             return PromptPlan(list(job.prompt_ids), "raw", None, []), []
-        plan = plan_prompt(self.renderer, self.index, scope, job.messages, job.tools)
+        plan = plan_prompt(self.renderer, self.index, scope, job.messages, job.tools, self._stored_parent)
         raw_messages = job.raw_request.get(job.messages_field)
         exact = [exact_hash(m) for m in raw_messages] if isinstance(raw_messages, list) else []
         return plan, exact
+
+    def _stored_parent(self, scope: str | None, tail: bytes) -> CallEntry | None:
+        """The call that ended the conversation ``tail``, from the database (runs in a worker thread)."""
+        if self.db is None:
+            return None
+        with Session(self.db) as session:
+            query = (
+                select(Call)
+                .join(Rollout, Rollout.id == Call.rollout_id)
+                .where(Call.tail_hash == tail.hex(), Call.status == "ok")
+            )
+            query = (
+                query.where(Call.rollout_id == scope) if scope is not None else query.where(Rollout.kind == "implicit")
+            )
+            call = session.scalars(query.order_by(Call.started_at.desc()).limit(1)).first()
+            if call is None:
+                return None
+            cache = repo.CallCache(session)
+            completion = codec.unpack_ids(call.completion_ids)
+            raw_messages = cache.messages(call)
+            entry = CallEntry(
+                call_id=call.id,
+                rollout_id=call.rollout_id,
+                token_ids=repo.full_prompt_ids(cache, call) + completion,
+                ends_with_end_of_turn=self.renderer.ends_with_end_of_turn(completion),
+                exact_hashes=[exact_hash(m) for m in raw_messages],
+                explicit=scope is not None,
+            )
+        log.info("continuing call %s found in the database", call.id)
+        self.index.add(scope, tail, b"", entry)
+        return entry
 
     # -- generate -------------------------------------------------------------------------------------------
     async def run_choice(self, prep: Prepared, index: int) -> AsyncIterator[ChoiceDelta | ChoiceResult]:
@@ -374,9 +413,7 @@ class ChatService:
             ttft_ms=None if t_first is None else (t_first - prep.t0) * 1000,
             engine_ms=engine_s * 1000,
             gateway_ms=max(total_s - engine_s, 0.0) * 1000,
-            rollout=RolloutRecord(
-                id=prep.rollout_id, kind="explicit" if job.rollout.id is not None else "implicit"
-            ),
+            rollout=RolloutRecord(id=prep.rollout_id, kind="explicit" if job.rollout.id is not None else "implicit"),
         )
         try:
             self.writer.submit(record)

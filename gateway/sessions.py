@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.conversation import Message, output_hash, prefix_hashes
@@ -81,14 +82,22 @@ class SessionIndex:
                 self._outputs = dict(list(self._outputs.items())[len(self._outputs) // 2 :])
 
 
+Fallback = Callable[[str | None, bytes], CallEntry | None]
+
+
 def plan_prompt(
     renderer: Renderer,
     index: SessionIndex,
     scope: str | None,
     messages: list[Message],
     tools: list[ToolSpec],
+    fallback: Fallback | None = None,
 ) -> PromptPlan:
-    """Render a request's prompt, splicing the raw ids of the latest earlier answer it continues."""
+    """Render a request's prompt, splicing the raw ids of the latest earlier answer it continues.
+
+    ``fallback`` looks up the last assistant turn in durable storage when the in-memory index does not know it
+    (after a restart, or once the index evicted the conversation).
+    """
     hashes = prefix_hashes(messages, tools)
     assistant_at = [i for i, m in enumerate(messages) if m.role == "assistant"]
     parent: CallEntry | None = None
@@ -98,11 +107,13 @@ def plan_prompt(
         if parent is not None:
             splice_at = i
             break
+    if parent is None and assistant_at and fallback is not None:
+        last = assistant_at[-1]
+        parent = fallback(scope, hashes[last])
+        splice_at = last if parent is not None else -1
     # An answer of ours that we could not splice (its history was rewritten, or it sits after the splice point)
     # means the prompt re-tokenizes model output: that is drift, counted and recorded.
-    drifted = any(
-        index.is_known_output(scope, output_hash(messages[i])) for i in assistant_at if i > splice_at
-    )
+    drifted = any(index.is_known_output(scope, output_hash(messages[i])) for i in assistant_at if i > splice_at)
     if parent is not None:
         ids = renderer.render_spliced(
             messages, tools, Splice(splice_at, parent.token_ids, parent.ends_with_end_of_turn)
@@ -111,6 +122,4 @@ def plan_prompt(
             return PromptPlan(ids, "drifted" if drifted else "spliced", parent, hashes)
         drifted = True
         parent = None
-    return PromptPlan(
-        renderer.render_fresh(messages, tools), "drifted" if drifted else "fresh", parent, hashes
-    )
+    return PromptPlan(renderer.render_fresh(messages, tools), "drifted" if drifted else "fresh", parent, hashes)

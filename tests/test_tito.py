@@ -161,3 +161,38 @@ def test_edited_history_is_drift_not_splice(gateway_factory, tiny_tokenizer):
     chain = stored_calls(gw, "ro-drift")
     assert [c[0].render_mode for c in chain] == ["fresh", "drifted"]
     assert drift_count(gw) == 1
+
+
+def test_splice_survives_a_gateway_restart(gateway_factory, tiny_tokenizer, tmp_path):
+    """After a restart the in-memory index is empty: the parent is found in the database by its tail hash."""
+    from gateway.store import db
+    from tests.conftest import stop_gateway
+
+    url = f"sqlite:///{tmp_path / 'restart.db'}"
+    db.upgrade(url)
+    for rollout in ("ro-restart", None):
+        engine = ScriptedEngine(tiny_tokenizer)
+        gw1 = gateway_factory(engine=engine, tokenizer=tiny_tokenizer, database_url=url)
+        base = gw1.url + (f"/rollouts/{rollout}/v1" if rollout else "/v1")
+        engine.push("<tool_call>\n{\"name\": \"run\", \"arguments\": {\"cmd\": \"pwd\"}}\n</tool_call>")
+        messages = [{"role": "user", "content": f"Where am I? {rollout}"}]
+        first = openai.OpenAI(base_url=base, api_key="x", max_retries=0).chat.completions.with_raw_response.create(
+            model="tiny", messages=messages, tools=TOOLS)
+        tc = first.parse().choices[0].message.tool_calls[0]
+        gw1.flush()
+        stop_gateway(gw1)
+
+        engine2 = ScriptedEngine(tiny_tokenizer)
+        gw2 = gateway_factory(engine=engine2, tokenizer=tiny_tokenizer, database_url=url)
+        engine2.push("Done.")
+        messages += [{"role": "assistant", "tool_calls": [{"id": "x1", "type": "function", "function": {
+            "name": "run", "arguments": '{"cmd":"pwd"}'}}]}, {"role": "tool", "tool_call_id": "x1", "content": "/"}]
+        base2 = gw2.url + (f"/rollouts/{rollout}/v1" if rollout else "/v1")
+        second = openai.OpenAI(base_url=base2, api_key="x", max_retries=0).chat.completions.with_raw_response.create(
+            model="tiny", messages=messages, tools=TOOLS)
+        rid = first.headers["x-clawgate-rollout-id"]
+        assert second.headers["x-clawgate-rollout-id"] == rid
+        chain = stored_calls(gw2, rid)
+        assert [c[0].render_mode for c in chain] == ["fresh", "spliced"]
+        assert chain[1][1][: len(chain[0][1]) + len(chain[0][2])] == chain[0][1] + chain[0][2]
+        assert tc.function.name == "run"
