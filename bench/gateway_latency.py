@@ -51,15 +51,32 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def one_direct(client: httpx.AsyncClient, url: str, prompt: list[int], seed: int, stream: bool) -> tuple[float, float]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "seed": seed, "temperature": 1.0,
-            "logprobs": 1, "return_token_ids": True, "return_tokens_as_token_ids": True, "stream": stream}
+async def one_direct(
+    client: httpx.AsyncClient, url: str, prompt: list[int], seed: int, stream: bool
+) -> tuple[float, float]:
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "seed": seed,
+        "temperature": 1.0,
+        "logprobs": 1,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "stream": stream,
+    }
     return await _timed(client, url + "/v1/completions", body, stream)
 
 
 async def one_gateway(client: httpx.AsyncClient, url: str, seed: int, stream: bool) -> tuple[float, float]:
-    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "seed": seed, "temperature": 1.0,
-            "stream": stream}
+    body = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "max_tokens": MAX_TOKENS,
+        "seed": seed,
+        "temperature": 1.0,
+        "stream": stream,
+    }
     return await _timed(client, url + "/v1/chat/completions", body, stream)
 
 
@@ -122,21 +139,31 @@ async def measure(args: argparse.Namespace, vllm_url: str, gw_url: str, gw_pid: 
 
     def row(name: str, d: list[float], g: list[float]) -> None:
         d50, g50, d99, g99 = (pct(d, 0.5) * 1e3, pct(g, 0.5) * 1e3, pct(d, 0.99) * 1e3, pct(g, 0.99) * 1e3)
-        print(f"{name:<28} direct p50 {d50:7.2f} ms  gateway p50 {g50:7.2f} ms  (+{g50 - d50:5.2f} ms, "
-              f"{g50 / d50:4.2f}x)   p99 {d99:7.2f} -> {g99:7.2f} ms")
+        print(
+            f"{name:<28} direct p50 {d50:7.2f} ms  gateway p50 {g50:7.2f} ms  (+{g50 - d50:5.2f} ms, "
+            f"{g50 / d50:4.2f}x)   p99 {d99:7.2f} -> {g99:7.2f} ms"
+        )
 
-    print(f"\n{args.requests} requests each, {MAX_TOKENS} completion tokens, prompt {len(prompt)} tokens, "
-          f"capture to {db_label(args.database_url)}")
+    print(
+        f"\n{args.requests} requests each, {MAX_TOKENS} completion tokens, prompt {len(prompt)} tokens, "
+        f"capture to {db_label(args.database_url)}"
+    )
     row("non-streaming latency", results["d"], results["g"])
     row("streaming time to 1st token", results["d_ttft"], results["g_ttft"])
     row("streaming total", results["d_stream"], results["g_stream"])
     diffs = [g - d for d, g in zip(results["d"], results["g"], strict=True)]
-    print(f"{'added latency per call':<28} p50 {statistics.median(diffs) * 1e3:.2f} ms  "
-          f"mean {statistics.mean(diffs) * 1e3:.2f} ms")
-    print(f"{'throughput @ concurrency 8':<28} direct {tp_direct:6.1f} req/s  gateway {tp_gateway:6.1f} req/s  "
-          f"({tp_gateway / tp_direct:4.2f}x)")
-    print(f"{'gateway CPU per request':<28} non-streaming {cpu_nonstream * 1e3:.2f} ms  "
-          f"streaming {cpu_stream * 1e3:.2f} ms")
+    print(
+        f"{'added latency per call':<28} p50 {statistics.median(diffs) * 1e3:.2f} ms  "
+        f"mean {statistics.mean(diffs) * 1e3:.2f} ms"
+    )
+    print(
+        f"{'throughput @ concurrency 8':<28} direct {tp_direct:6.1f} req/s  gateway {tp_gateway:6.1f} req/s  "
+        f"({tp_gateway / tp_direct:4.2f}x)"
+    )
+    print(
+        f"{'gateway CPU per request':<28} non-streaming {cpu_nonstream * 1e3:.2f} ms  "
+        f"streaming {cpu_stream * 1e3:.2f} ms"
+    )
 
 
 def db_label(url: str) -> str:
@@ -165,10 +192,18 @@ def main() -> int:
         print("starting vLLM ...", file=sys.stderr)
         with VLLMServer(python, model, served_model_name="tiny", max_model_len=4096) as server:
             port = free_port()
-            env = {**os.environ, "CLAWGATE_ENGINE": "vllm", "CLAWGATE_VLLM_URL": server.url,
-                   "CLAWGATE_VLLM_MODEL": "tiny", "CLAWGATE_MODEL": str(model), "CLAWGATE_SERVED_MODEL_NAME": "tiny",
-                   "CLAWGATE_DATABASE_URL": args.database_url, "CLAWGATE_PORT": str(port),
-                   "CLAWGATE_DATA_DIR": f"{tmp}/data", "CLAWGATE_LOG_LEVEL": "warning"}
+            env = {
+                **os.environ,
+                "CLAWGATE_ENGINE": "vllm",
+                "CLAWGATE_VLLM_URL": server.url,
+                "CLAWGATE_VLLM_MODEL": "tiny",
+                "CLAWGATE_MODEL": str(model),
+                "CLAWGATE_SERVED_MODEL_NAME": "tiny",
+                "CLAWGATE_DATABASE_URL": args.database_url,
+                "CLAWGATE_PORT": str(port),
+                "CLAWGATE_DATA_DIR": f"{tmp}/data",
+                "CLAWGATE_LOG_LEVEL": "warning",
+            }
             gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve"], env=env, cwd=ROOT)
             try:
                 gw_url = f"http://127.0.0.1:{port}"

@@ -190,8 +190,14 @@ def vllm_server(vllm_python: str, tiny_model_dir: Path, tmp_path_factory: pytest
     from gateway.engines.vllm_server import VLLMServer
 
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    server = VLLMServer(vllm_python, tiny_model_dir, served_model_name="tiny", max_model_len=VLLM_MAX_MODEL_LEN,
-                        dtype="float32", log_path=log)
+    server = VLLMServer(
+        vllm_python,
+        tiny_model_dir,
+        served_model_name="tiny",
+        max_model_len=VLLM_MAX_MODEL_LEN,
+        dtype="float32",
+        log_path=log,
+    )
     server.start(timeout=240)
     yield server
     server.stop()

@@ -36,9 +36,7 @@ def calls(gw, where: str = "1=1") -> list[dict]:
     gw.flush()
     engine = make_engine(gw.settings.database_url)
     with engine.connect() as conn:
-        rows = (
-            conn.execute(sa.text(f"SELECT * FROM calls WHERE {where} ORDER BY started_at")).mappings().all()
-        )
+        rows = conn.execute(sa.text(f"SELECT * FROM calls WHERE {where} ORDER BY started_at")).mappings().all()
     engine.dispose()
     return [dict(r) for r in rows]
 
@@ -108,9 +106,7 @@ def test_logprobs_match_capture(client, shared_gateway):
 
 
 def test_n2_gives_two_captured_choices(client, shared_gateway):
-    raw = client.chat.completions.with_raw_response.create(
-        model="tiny", messages=MESSAGES, max_tokens=6, n=2, seed=11
-    )
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=MESSAGES, max_tokens=6, n=2, seed=11)
     resp = raw.parse()
     assert sorted(c.index for c in resp.choices) == [0, 1]
     ids = raw.headers["x-clawgate-call-id"].split(",")
@@ -121,9 +117,7 @@ def test_n2_gives_two_captured_choices(client, shared_gateway):
 
 
 def test_streaming_n2(client):
-    chunks = list(
-        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, n=2, stream=True)
-    )
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, n=2, stream=True))
     finished = {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason}
     assert finished == {0, 1}
 
@@ -137,9 +131,7 @@ def test_stop_sequences_trim_output(client, tiny_tokenizer):
             break
     assert len(text.strip()) >= 6, text
     stop = text.strip()[3:5]
-    resp = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=20, seed=seed, stop=[stop]
-    )
+    resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, seed=seed, stop=[stop])
     out = resp.choices[0].message.content or ""
     assert stop not in out
     assert text.startswith(out)
@@ -232,9 +224,7 @@ def test_completions_with_text_and_token_prompts(client, tiny_tokenizer):
     assert resp.object == "text_completion"
     assert len(resp.choices[0].logprobs.token_logprobs) == resp.usage.completion_tokens
     ids = tiny_tokenizer.encode("import os", add_special_tokens=False)
-    resp2 = client.completions.create(
-        model="tiny", prompt=ids, max_tokens=4, extra_body={"return_token_ids": True}
-    )
+    resp2 = client.completions.create(model="tiny", prompt=ids, max_tokens=4, extra_body={"return_token_ids": True})
     extra = resp2.choices[0].model_extra
     assert extra["prompt_token_ids"] == ids
     assert len(extra["token_ids"]) == resp2.usage.completion_tokens

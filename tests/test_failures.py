@@ -107,8 +107,10 @@ def test_failed_calls_are_not_spliced(gateway_factory, tiny_tokenizer):
     with pytest.raises(openai.APIError):
         list(client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True))
     engine.push("ok")
-    client.chat.completions.create(model="tiny", messages=[*MESSAGES, {"role": "assistant", "content": "alpha"},
-                                                           {"role": "user", "content": "again"}])
+    client.chat.completions.create(
+        model="tiny",
+        messages=[*MESSAGES, {"role": "assistant", "content": "alpha"}, {"role": "user", "content": "again"}],
+    )
     got = rows(gw, "ro-nosplice")
     assert [r["status"] for r in got] == ["failed", "ok"]
     assert got[1]["parent_call_id"] is None and got[1]["render_mode"] == "fresh"

@@ -3,6 +3,8 @@ the check that the ids and logprobs the gateway stored are exactly what vLLM sam
 
 from __future__ import annotations
 
+import itertools
+
 import httpx
 import openai
 import pytest
@@ -26,10 +28,18 @@ def stored(gw, where: str, params: dict | None = None):
     gw.flush()
     engine = make_engine(gw.settings.database_url)
     with sa.orm.Session(engine) as session:
-        calls = session.scalars(sa.select(Call).where(sa.text(where)).params(**(params or {}))
-                                .order_by(Call.started_at)).all()
-        out = [(c, repo.full_prompt_ids(session, c), codec.unpack_ids(c.completion_ids),
-                codec.unpack_logprobs(c.completion_logprobs)) for c in calls]
+        calls = session.scalars(
+            sa.select(Call).where(sa.text(where)).params(**(params or {})).order_by(Call.started_at)
+        ).all()
+        out = [
+            (
+                c,
+                repo.full_prompt_ids(session, c),
+                codec.unpack_ids(c.completion_ids),
+                codec.unpack_logprobs(c.completion_logprobs),
+            )
+            for c in calls
+        ]
     engine.dispose()
     return out
 
@@ -37,15 +47,27 @@ def stored(gw, where: str, params: dict | None = None):
 def test_stored_tokens_and_logprobs_equal_what_vllm_sampled(gw, vllm_server):
     client = openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0)
     raw = client.chat.completions.with_raw_response.create(
-        model="tiny", messages=MESSAGES, max_tokens=16, seed=7, temperature=0.8, logprobs=True)
+        model="tiny", messages=MESSAGES, max_tokens=16, seed=7, temperature=0.8, logprobs=True
+    )
     resp = raw.parse()
     [(call, prompt, ids, lps)] = stored(gw, "id = :i", {"i": raw.headers["x-clawgate-call-id"]})
     assert call.status == "ok" and call.engine == "vllm"
     assert [t.logprob for t in resp.choices[0].logprobs.content] == pytest.approx(lps, abs=1e-6)
     # Ask vLLM directly for the same prompt ids and seed: it samples the same tokens with the same logprobs.
-    direct = httpx.post(vllm_server.url + "/v1/completions", json={
-        "model": "tiny", "prompt": prompt, "max_tokens": 16, "seed": 7, "temperature": 0.8, "logprobs": 1,
-        "return_token_ids": True, "skip_special_tokens": False}, timeout=60).json()
+    direct = httpx.post(
+        vllm_server.url + "/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 16,
+            "seed": 7,
+            "temperature": 0.8,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        },
+        timeout=60,
+    ).json()
     choice = direct["choices"][0]
     assert choice["prompt_token_ids"] == prompt
     assert ids[: len(choice["token_ids"])] == choice["token_ids"]
@@ -56,9 +78,12 @@ def test_core_flows_via_vllm(gw):
     client = openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0)
     resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8)
     assert resp.choices[0].finish_reason in ("stop", "length") and resp.usage.completion_tokens >= 1
-    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, stream=True,
-                                                 stream_options={"include_usage": True}))
-    assert [c.usage for c in chunks if c.usage][0].completion_tokens >= 1
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=8, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert next(c.usage for c in chunks if c.usage).completion_tokens >= 1
     two = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, n=2, seed=1)
     assert sorted(c.index for c in two.choices) == [0, 1]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
@@ -75,8 +100,12 @@ def test_core_flows_via_vllm(gw):
 def test_stop_sequences_via_vllm(gw):
     client = openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0)
     for seed in range(20):
-        text = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20,
-                                              seed=seed).choices[0].message.content or ""
+        text = (
+            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, seed=seed)
+            .choices[0]
+            .message.content
+            or ""
+        )
         if len(text.strip()) >= 6:
             break
     stop = text.strip()[3:5]
@@ -90,11 +119,13 @@ def test_tito_chain_via_vllm(gw):
     messages = list(MESSAGES)
     for turn in range(4):
         resp = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, seed=turn)
-        messages += [{"role": "assistant", "content": (resp.choices[0].message.content or "").strip()},
-                     {"role": "user", "content": f"and {turn}?"}]
+        messages += [
+            {"role": "assistant", "content": (resp.choices[0].message.content or "").strip()},
+            {"role": "user", "content": f"and {turn}?"},
+        ]
     chain = stored(gw, "rollout_id = 'ro-vllm-tito'")
     assert len(chain) == 4
-    for (_, p0, c0, _), (call, p1, _, _) in zip(chain, chain[1:], strict=False):
+    for (_, p0, c0, _), (call, p1, _, _) in itertools.pairwise(chain):
         assert p1[: len(p0) + len(c0)] == p0 + c0
         assert call.render_mode == "spliced"
     assert gw.state.metrics.drift._value.get() == 0

@@ -18,10 +18,17 @@ def test_ten_turn_rollout_storage_is_linear_in_unique_tokens(shared_gateway):
     shared_gateway.flush()
     engine = make_engine(shared_gateway.settings.database_url)
     with engine.connect() as conn:
-        rows = conn.execute(sa.text(
-            "SELECT prompt_len, completion_len, length(prompt_delta) AS pd, length(completion_ids) AS ci, "
-            "length(completion_logprobs) AS cl, length(request) AS rq, render_mode FROM calls "
-            "WHERE rollout_id = 'ro-storage' ORDER BY started_at")).mappings().all()
+        rows = (
+            conn.execute(
+                sa.text(
+                    "SELECT prompt_len, completion_len, length(prompt_delta) AS pd, length(completion_ids) AS ci, "
+                    "length(completion_logprobs) AS cl, length(request) AS rq, render_mode FROM calls "
+                    "WHERE rollout_id = 'ro-storage' ORDER BY started_at"
+                )
+            )
+            .mappings()
+            .all()
+        )
     engine.dispose()
     assert len(rows) == 10
     assert [r["render_mode"] for r in rows] == ["fresh"] + ["spliced"] * 9

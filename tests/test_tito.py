@@ -73,9 +73,7 @@ def test_six_turns_real_engine_text_echo(shared_gateway):
         echoed = text.strip()
         half = len(echoed) // 2
         content = (
-            [{"type": "text", "text": echoed[:half]}, {"type": "text", "text": echoed[half:]}]
-            if turn % 2
-            else echoed
+            [{"type": "text", "text": echoed[:half]}, {"type": "text", "text": echoed[half:]}] if turn % 2 else echoed
         )
         messages.append({"role": "assistant", "content": content})
         messages.append({"role": "user", "content": f"Continue with step {turn + 2}."})
@@ -174,10 +172,11 @@ def test_splice_survives_a_gateway_restart(gateway_factory, tiny_tokenizer, tmp_
         engine = ScriptedEngine(tiny_tokenizer)
         gw1 = gateway_factory(engine=engine, tokenizer=tiny_tokenizer, database_url=url)
         base = gw1.url + (f"/rollouts/{rollout}/v1" if rollout else "/v1")
-        engine.push("<tool_call>\n{\"name\": \"run\", \"arguments\": {\"cmd\": \"pwd\"}}\n</tool_call>")
+        engine.push('<tool_call>\n{"name": "run", "arguments": {"cmd": "pwd"}}\n</tool_call>')
         messages = [{"role": "user", "content": f"Where am I? {rollout}"}]
         first = openai.OpenAI(base_url=base, api_key="x", max_retries=0).chat.completions.with_raw_response.create(
-            model="tiny", messages=messages, tools=TOOLS)
+            model="tiny", messages=messages, tools=TOOLS
+        )
         tc = first.parse().choices[0].message.tool_calls[0]
         gw1.flush()
         stop_gateway(gw1)
@@ -185,11 +184,19 @@ def test_splice_survives_a_gateway_restart(gateway_factory, tiny_tokenizer, tmp_
         engine2 = ScriptedEngine(tiny_tokenizer)
         gw2 = gateway_factory(engine=engine2, tokenizer=tiny_tokenizer, database_url=url)
         engine2.push("Done.")
-        messages += [{"role": "assistant", "tool_calls": [{"id": "x1", "type": "function", "function": {
-            "name": "run", "arguments": '{"cmd":"pwd"}'}}]}, {"role": "tool", "tool_call_id": "x1", "content": "/"}]
+        messages += [
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "x1", "type": "function", "function": {"name": "run", "arguments": '{"cmd":"pwd"}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "x1", "content": "/"},
+        ]
         base2 = gw2.url + (f"/rollouts/{rollout}/v1" if rollout else "/v1")
         second = openai.OpenAI(base_url=base2, api_key="x", max_retries=0).chat.completions.with_raw_response.create(
-            model="tiny", messages=messages, tools=TOOLS)
+            model="tiny", messages=messages, tools=TOOLS
+        )
         rid = first.headers["x-clawgate-rollout-id"]
         assert second.headers["x-clawgate-rollout-id"] == rid
         chain = stored_calls(gw2, rid)
