@@ -81,13 +81,13 @@ async def test_client_disconnect_mid_stream_is_recorded_cancelled(gateway_factor
     gw = gateway_factory(engine=engine, tokenizer=tiny_tokenizer)
     engine.push(" ".join(["word"] * 60))
     body = {"model": "tiny", "messages": MESSAGES, "stream": True, "max_tokens": 60}
-    async with httpx.AsyncClient(timeout=30) as client:
-        async with client.stream("POST", gw.url + "/rollouts/ro-gone/v1/chat/completions", json=body) as r:
-            n = 0
-            async for line in r.aiter_lines():
-                n += line.startswith("data: ")
-                if n >= 4:
-                    break
+    url = gw.url + "/rollouts/ro-gone/v1/chat/completions"
+    async with httpx.AsyncClient(timeout=30) as client, client.stream("POST", url, json=body) as r:
+        n = 0
+        async for line in r.aiter_lines():
+            n += line.startswith("data: ")
+            if n >= 4:
+                break
     for _ in range(100):
         got = rows(gw, "ro-gone")
         if got:
