@@ -48,7 +48,27 @@ def make_engine(settings: Settings, tokenizer: Any) -> Engine:
         return LocalEngine(settings.model, dtype=settings.local_dtype)
     from gateway.engines.vllm import VLLMEngine
 
-    return VLLMEngine(settings.vllm_url, model=settings.vllm_model or settings.model, timeout=settings.vllm_timeout)
+    end_ids = {tokenizer.eos_token_id, *Renderer.end_of_turn_token_ids(tokenizer), *generation_eos_ids(settings.model)}
+    end_ids.discard(None)
+    return VLLMEngine(
+        settings.vllm_url,
+        model=settings.vllm_model or settings.model,
+        timeout=settings.vllm_timeout,
+        eos_token_ids=sorted(end_ids),
+    )
+
+
+def generation_eos_ids(model: str) -> list[int]:
+    """The model's own end-of-generation ids (generation_config.json), which the tokenizer may not name."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    except OSError:
+        return []
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
 
 
 def redact_url(url: str) -> str:

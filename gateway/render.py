@@ -54,6 +54,10 @@ class Renderer:
         self._fast = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
         self.end_of_turn_ids = self._end_of_turn_ids(tokenizer)
 
+    @classmethod
+    def end_of_turn_token_ids(cls, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+        return list(cls._end_of_turn_ids(tokenizer))
+
     @staticmethod
     def _end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> dict[int, str]:
         ids: dict[int, str] = {}

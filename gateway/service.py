@@ -70,6 +70,7 @@ class ChatJob:
     raw_request: dict[str, Any]
     messages_field: str = "messages"  # the field of raw_request that holds the conversation
     parse_tool_calls: bool = True
+    stream: bool = True  # whether the client watches tokens arrive
     # False: the completion is returned as plain text (the completions API), no reasoning/tool parsing.
     parse_output: bool = True
     # Set for token-level APIs (completions): the prompt as given, no chat rendering or splicing.
@@ -259,7 +260,7 @@ class ChatService:
         if params.seed is not None and index:
             params = replace(params, seed=params.seed + index)
         call_id = prep.call_ids[index]
-        request = GenerationRequest(call_id, prep.prompt_ids, params, prep.adapter)
+        request = GenerationRequest(call_id, prep.prompt_ids, params, prep.adapter, stream=job.stream)
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
         trimmer = StopTrimmer(params.stop)
         parser: OutputParser | PlainText

@@ -222,6 +222,7 @@ async def chat_completions(request: Request, state: State, rollout: Rollout) -> 
         rollout=rollout,
         raw_request=raw,
         parse_tool_calls=req.tool_choice != "none",
+        stream=req.stream,
     )
     service = state.service
     prep = await service.prepare(job)
@@ -404,6 +405,7 @@ async def completions(request: Request, state: State, rollout: Rollout) -> Respo
             raw_request=raw,
             parse_output=False,
             prompt_ids=ids,
+            stream=req.stream,
             request_id=request_id,
         )
         preps.append(await service.prepare(job))

@@ -37,6 +37,9 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams
     adapter: str | None = None  # name of a loaded LoRA adapter; None runs the base model
+    # False when nobody watches tokens arrive: an engine may then generate in one piece (cheaper over HTTP);
+    # it still yields one TokenDelta with every token, then the GenerationEnd.
+    stream: bool = True
 
 
 @dataclass(slots=True)

