@@ -24,9 +24,7 @@ log = logging.getLogger("clawgate")
 
 def _serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=["local", "vllm"], help="serving engine (CLAWGATE_ENGINE)")
-    p.add_argument(
-        "--model", help="model folder or hub id; tokenizer and chat template come from it (CLAWGATE_MODEL)"
-    )
+    p.add_argument("--model", help="model folder or hub id; tokenizer and chat template come from it (CLAWGATE_MODEL)")
     p.add_argument("--served-model-name", help="name clients send as `model` (CLAWGATE_SERVED_MODEL_NAME)")
     p.add_argument("--vllm-url", help="vLLM server URL for --engine vllm (CLAWGATE_VLLM_URL)")
     p.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
@@ -67,9 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _setup_logging(settings.log_level)
     app = build_app(settings)
-    uvicorn.run(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(), access_log=False
-    )
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(), access_log=False)
     return 0
 
 

@@ -86,12 +86,24 @@ _WS = re.compile(r"\s+")
 
 
 def _norm_text(text: str | None) -> str:
-    return _WS.sub(" ", text or "").strip()
+    # All whitespace goes: harnesses trim, re-indent, and join content parts with or without newlines.
+    return _WS.sub("", text or "")
+
+
+def _canonical(value: Any) -> Any:
+    """JSON values compared by meaning: 1.0 and 1 are the same number after a re-serialization."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
 
 
 def _norm_arguments(arguments: str) -> Any:
     try:
-        return json.loads(arguments) if arguments.strip() else {}
+        return _canonical(json.loads(arguments)) if arguments.strip() else {}
     except ValueError:
         return _norm_text(arguments)
 

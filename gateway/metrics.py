@@ -45,9 +45,7 @@ class Metrics:
         )
         self.errors = Counter("clawgate_errors", "Errors returned", ["type"], registry=r)
         self.capture_queue = Gauge("clawgate_capture_queue_depth", "Calls waiting to be written", registry=r)
-        self.capture_written = Gauge(
-            "clawgate_capture_written", "Rows written by the capture writer", registry=r
-        )
+        self.capture_written = Gauge("clawgate_capture_written", "Rows written by the capture writer", registry=r)
         self.capture_retries = Gauge("clawgate_capture_retries", "Capture write retries", registry=r)
         self.in_flight = Gauge("clawgate_in_flight_calls", "Calls being generated", registry=r)
 

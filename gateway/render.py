@@ -93,9 +93,7 @@ class Renderer:
     def render_fresh(self, messages: list[Message], tools: list[ToolSpec]) -> list[int]:
         return self.encode(self.render_text([m.to_template() for m in messages], tools))
 
-    def render_spliced(
-        self, messages: list[Message], tools: list[ToolSpec], splice: Splice
-    ) -> list[int] | None:
+    def render_spliced(self, messages: list[Message], tools: list[ToolSpec], splice: Splice) -> list[int] | None:
         """Prompt ids that begin with ``splice.token_ids`` exactly, or None if the template defeats the splice."""
         dicts = [m.to_template() for m in messages]
         dicts[splice.index] = {"role": "assistant", "content": SPLICE_MARK}

@@ -56,9 +56,6 @@ class Settings(BaseSettings):
     capture_flush_interval: float = Field(default=0.02, gt=0)
     capture_max_queue: int = Field(default=100_000, ge=1)
 
-    # Rollout grouping: an implicit session closes after this many idle seconds.
-    session_idle_timeout: float = Field(default=1800.0, gt=0)
-
     # Auth
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     admin_key: SecretStr | None = None

@@ -156,8 +156,7 @@ def _builtin_corpus() -> Iterator[str]:
     yield _PROSE
     for name, description, arguments in _TOOLS:
         properties = {
-            key: {"type": "integer" if isinstance(value, int) else "string"}
-            for key, value in arguments.items()
+            key: {"type": "integer" if isinstance(value, int) else "string"} for key, value in arguments.items()
         }
         tool = {
             "type": "function",
@@ -171,10 +170,7 @@ def _builtin_corpus() -> Iterator[str]:
         yield f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
         yield f"<tool_response>\n{json.dumps({'ok': True, 'result': arguments})}\n</tool_response>"
         yield f"<|im_start|>user\nPlease use {name}: {description}<|im_end|>\n"
-        yield (
-            f"<|im_start|>assistant\n<think>\nI should call {name}.\n</think>\n\n"
-            f"Calling {name} now.<|im_end|>\n"
-        )
+        yield (f"<|im_start|>assistant\n<think>\nI should call {name}.\n</think>\n\nCalling {name} now.<|im_end|>\n")
 
 
 def _stdlib_corpus(budget: int) -> Iterator[str]:

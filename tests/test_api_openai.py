@@ -267,3 +267,12 @@ def test_api_keys_enforced(gateway_factory):
         gw.v1 + "/chat/completions", json={"model": "tiny", "messages": MESSAGES}, headers={"x-api-key": "k1"}
     )
     assert r.status_code == 200
+
+
+def test_completions_echo(client):
+    resp = client.completions.create(model="tiny", prompt="def main():", max_tokens=3, echo=True)
+    assert resp.choices[0].text.startswith("def main():")
+    chunks = list(client.completions.create(model="tiny", prompt="x = 1", max_tokens=3, echo=True, stream=True))
+    assert chunks[0].choices[0].text == "x = 1"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x", max_tokens=3, echo=True, logprobs=1)

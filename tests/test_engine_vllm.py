@@ -74,9 +74,7 @@ def vllm_python() -> str:
 
 
 @pytest.fixture(scope="module")
-def server(
-    vllm_python: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VLLMServer]:
+def server(vllm_python: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     srv = VLLMServer(
         vllm_python,
@@ -149,9 +147,7 @@ class Result:
 
 async def run(engine: Engine, prompt: list[int], adapter: str | None = None, **params: Any) -> Result:
     params.setdefault("max_tokens", 16)
-    request = GenerationRequest(
-        request_id="test", prompt_ids=prompt, params=SamplingParams(**params), adapter=adapter
-    )
+    request = GenerationRequest(request_id="test", prompt_ids=prompt, params=SamplingParams(**params), adapter=adapter)
     result = Result()
     async for event in engine.generate(request):
         assert result.end is None, "an event arrived after GenerationEnd"
@@ -227,9 +223,7 @@ async def test_start_reads_the_context_window_and_health(engine: VLLMEngine) -> 
 async def test_streamed_ids_and_processed_logprobs_match_transformers(
     engine: VLLMEngine, reference: Any, prompt: list[int], temperature: float, top_k: int, top_p: float
 ) -> None:
-    result = await run(
-        engine, prompt, max_tokens=24, seed=7, temperature=temperature, top_k=top_k, top_p=top_p
-    )
+    result = await run(engine, prompt, max_tokens=24, seed=7, temperature=temperature, top_k=top_k, top_p=top_p)
     assert result.end is not None
     assert len(result.ids) == 24 and result.end.finish_reason == "length" and result.end.stop_reason is None
     assert result.end.prompt_tokens == len(prompt)
@@ -247,9 +241,7 @@ async def test_streamed_ids_and_processed_logprobs_match_transformers(
     assert result.end.timings.get("decode", -1) >= 0 and result.end.timings.get("prefill", -1) >= 0
 
 
-async def test_top_logprobs_are_the_best_alternatives(
-    engine: VLLMEngine, reference: Any, prompt: list[int]
-) -> None:
+async def test_top_logprobs_are_the_best_alternatives(engine: VLLMEngine, reference: Any, prompt: list[int]) -> None:
     result = await run(engine, prompt, max_tokens=6, seed=3, top_logprobs=4)
     assert len(result.tops) == len(result.ids) == 6
     expected = processed_logprobs(reference, prompt, result.ids)
@@ -361,14 +353,29 @@ async def test_unknown_model_is_not_found(engine: VLLMEngine, prompt: list[int])
         await run(engine, prompt, adapter="no-such-adapter")
 
 
-async def test_closing_the_stream_aborts_the_request(
-    engine: VLLMEngine, server: VLLMServer, prompt: list[int]
-) -> None:
+async def test_closing_the_stream_aborts_the_request(engine: VLLMEngine, server: VLLMServer, prompt: list[int]) -> None:
     before = await prometheus(server, "vllm:generation_tokens_total")
     max_tokens = MAX_MODEL_LEN - len(prompt)  # several seconds of decoding if nothing stops it
     stream = engine.generate(GenerationRequest("abort-me", prompt, SamplingParams(max_tokens=max_tokens, seed=1)))
-    assert isinstance(await anext(stream), TokenDelta)
+    import time
+
+    t0 = time.monotonic()
+    first = await anext(stream)
+    print(
+        "DBG first",
+        len(first.token_ids),
+        round(time.monotonic() - t0, 2),
+        await prometheus(server, "vllm:generation_tokens_total") - before,
+    )
     await stream.aclose()
+    for _ in range(10):
+        print(
+            "DBG",
+            round(time.monotonic() - t0, 2),
+            await prometheus(server, "vllm:num_requests_running"),
+            await prometheus(server, "vllm:generation_tokens_total") - before,
+        )
+        await asyncio.sleep(0.3)
     for _ in range(200):
         if await prometheus(server, "vllm:num_requests_running") == 0:
             break
@@ -460,23 +467,53 @@ async def test_request_fields_and_stream_parsing() -> None:
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.update(json.loads(request.content))
-        first = {"choices": [{"index": 0, "text": "", "token_ids": [3, 4], "finish_reason": None, "logprobs": {
-            "token_logprobs": [-0.5, -1.5],
-            "top_logprobs": [
-                {"token_id:3": -0.5, "token_id:8": -1.0, "token_id:2": -2.0, "token_id:1": -9999.0},
-                {"token_id:4": -1.5, "token_id:5": -0.1, "token_id:6": -2.5},
-            ],
-        }}]}
-        last = {"choices": [{"index": 0, "text": "", "token_ids": [9], "finish_reason": "stop", "stop_reason": None,
-                             "logprobs": {"token_logprobs": [-0.25], "top_logprobs": [{"token_id:9": -0.25}]}}]}
-        usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3},
-                 "metrics": {"time_to_first_token_ms": 20.0, "generation_time_ms": 50.0, "queue_time_ms": 1.0}}
+        first = {
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "",
+                    "token_ids": [3, 4],
+                    "finish_reason": None,
+                    "logprobs": {
+                        "token_logprobs": [-0.5, -1.5],
+                        "top_logprobs": [
+                            {"token_id:3": -0.5, "token_id:8": -1.0, "token_id:2": -2.0, "token_id:1": -9999.0},
+                            {"token_id:4": -1.5, "token_id:5": -0.1, "token_id:6": -2.5},
+                        ],
+                    },
+                }
+            ]
+        }
+        last = {
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "",
+                    "token_ids": [9],
+                    "finish_reason": "stop",
+                    "stop_reason": None,
+                    "logprobs": {"token_logprobs": [-0.25], "top_logprobs": [{"token_id:9": -0.25}]},
+                }
+            ]
+        }
+        usage = {
+            "choices": [],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 3},
+            "metrics": {"time_to_first_token_ms": 20.0, "generation_time_ms": 50.0, "queue_time_ms": 1.0},
+        }
         return httpx.Response(200, content=sse(first, last, usage))
 
     eng, client = scripted(handler)
     await eng.start()
-    params = {"max_tokens": 100, "temperature": 0.5, "top_k": 7, "seed": 3, "stop": ("x",),
-              "stop_token_ids": (7, 9), "top_logprobs": 2}
+    params = {
+        "max_tokens": 100,
+        "temperature": 0.5,
+        "top_k": 7,
+        "seed": 3,
+        "stop": ("x",),
+        "stop_token_ids": (7, 9),
+        "top_logprobs": 2,
+    }
     result = await run(eng, [1, 2, 3], adapter="policy@v1", **params)
     await client.aclose()
 
@@ -490,7 +527,9 @@ async def test_request_fields_and_stream_parsing() -> None:
     # The best two per position, the sampled token only when it is among them, -inf (-9999) never.
     assert result.tops == [{3: -0.5, 8: -1.0}, {5: -0.1, 4: -1.5}, {9: -0.25}]
     assert result.end == GenerationEnd(
-        finish_reason="stop", stop_reason=9, prompt_tokens=3,
+        finish_reason="stop",
+        stop_reason=9,
+        prompt_tokens=3,
         timings={"queue": 0.001, "prefill": 0.02, "decode": 0.05},
     )
 
@@ -520,10 +559,13 @@ async def test_http_errors_map_to_gateway_errors(status: int, message: str, erro
     ("respond", "error"),
     [
         # Errors found after the stream began come as an event with the status vLLM would have used.
-        (lambda r: httpx.Response(200, content=sse({"error": {"message": "Token id 9999 is out of vocabulary",
-                                                                "code": 400}})), BadRequest),
-        (lambda r: httpx.Response(200, content=sse({"error": {"message": "engine died", "code": 500}})),
-         EngineError),
+        (
+            lambda r: httpx.Response(
+                200, content=sse({"error": {"message": "Token id 9999 is out of vocabulary", "code": 400}})
+            ),
+            BadRequest,
+        ),
+        (lambda r: httpx.Response(200, content=sse({"error": {"message": "engine died", "code": 500}})), EngineError),
         (lambda r: httpx.Response(200, content=sse()), EngineError),  # no finish reason
         (lambda r: (_ for _ in ()).throw(httpx.ReadTimeout("slow", request=r)), EngineTimeout),
         (lambda r: (_ for _ in ()).throw(httpx.ConnectError("refused", request=r)), EngineUnavailable),

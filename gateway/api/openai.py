@@ -117,9 +117,7 @@ def _token_logprobs(
         if tops is not None and i < len(tops):
             for alt, alp in sorted(tops[i].items(), key=lambda kv: -kv[1]):
                 alt_text = str(tok.decode([alt]))
-                entry["top_logprobs"].append(
-                    {"token": alt_text, "logprob": alp, "bytes": list(alt_text.encode())}
-                )
+                entry["top_logprobs"].append({"token": alt_text, "logprob": alp, "bytes": list(alt_text.encode())})
         out.append(entry)
     return out
 
@@ -208,9 +206,7 @@ async def chat_completions(request: Request, state: State, rollout: Rollout) -> 
     raw = await _json_body(request)
     req = ChatCompletionRequest.model_validate(raw)
     state.check_model(req.model)
-    tools = [
-        ToolSpec(t.function.name, t.function.description, t.function.parameters) for t in req.tools or []
-    ]
+    tools = [ToolSpec(t.function.name, t.function.description, t.function.parameters) for t in req.tools or []]
     top = req.top_logprobs or 0
     job = ChatJob(
         api="chat",
@@ -244,9 +240,7 @@ async def chat_completions(request: Request, state: State, rollout: Rollout) -> 
                 "logprobs": None,
             }
             if req.logprobs:
-                choice["logprobs"] = {
-                    "content": _token_logprobs(state, r.token_ids, r.logprobs, r.top_logprobs)
-                }
+                choice["logprobs"] = {"content": _token_logprobs(state, r.token_ids, r.logprobs, r.top_logprobs)}
             choices.append(choice)
         body = {
             "id": prep.request_id,
@@ -342,9 +336,7 @@ async def _chat_stream(
                 yield _sse(
                     {
                         **base,
-                        "choices": [
-                            {"index": ev.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
-                        ],
+                        "choices": [{"index": ev.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}],
                     }
                 )
         if include_usage:
@@ -356,9 +348,7 @@ async def _chat_stream(
     yield b"data: [DONE]\n\n"
 
 
-def _tool_call_delta(
-    prep: Prepared, choice: int, tc: ToolCallDelta, ids: dict[tuple[int, int], str]
-) -> dict[str, Any]:
+def _tool_call_delta(prep: Prepared, choice: int, tc: ToolCallDelta, ids: dict[tuple[int, int], str]) -> dict[str, Any]:
     out: dict[str, Any] = {"index": tc.index}
     key = (choice, tc.index)
     if key not in ids:
@@ -380,11 +370,14 @@ async def completions(request: Request, state: State, rollout: Rollout) -> Respo
     state.check_model(req.model)
     if req.stream and len(req.prompts()) > 1:
         raise BadRequest("streaming supports a single prompt", param="prompt")
+    if req.echo and req.logprobs is not None:
+        raise BadRequest("echo with logprobs is not supported (prompt logprobs are not computed)", param="echo")
     vocab = len(state.tokenizer)
     service = state.service
     created = int(time.time())
     request_id = new_id("cmpl")
     preps: list[Prepared] = []
+    echoes: list[str] = []
     for p in req.prompts():
         if isinstance(p, str):
             ids = await asyncio.to_thread(state.renderer.encode, p)
@@ -394,6 +387,8 @@ async def completions(request: Request, state: State, rollout: Rollout) -> Respo
                 raise BadRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
         if not ids:
             raise BadRequest("prompt is empty", param="prompt")
+        if req.echo:
+            echoes.append(p if isinstance(p, str) else str(state.tokenizer.decode(ids)))
         job = ChatJob(
             api="completions",
             model=req.model,
@@ -414,7 +409,7 @@ async def completions(request: Request, state: State, rollout: Rollout) -> Respo
         iterators = [service.run_choice(prep, i) for i in range(req.n)]
         _, merged = await _prefetch(_merge(iterators))
         return StreamingResponse(
-            _completion_stream(state, prep, req, merged, created),
+            _completion_stream(state, prep, req, merged, created, echoes[0] if echoes else ""),
             media_type="text/event-stream",
             headers={**SSE_HEADERS, **_headers(prep)},
         )
@@ -425,7 +420,7 @@ async def completions(request: Request, state: State, rollout: Rollout) -> Respo
         for r in results:
             choice: dict[str, Any] = {
                 "index": pi * req.n + r.index,
-                "text": r.output.content or "",
+                "text": (echoes[pi] if echoes else "") + (r.output.content or ""),
                 "finish_reason": r.finish_reason,
                 "logprobs": None,
             }
@@ -474,8 +469,12 @@ async def _completion_stream(
     req: CompletionRequest,
     events: AsyncIterator[ChoiceDelta | ChoiceResult],
     created: int,
+    echo: str,
 ) -> AsyncIterator[bytes]:
     base = {"id": prep.request_id, "object": "text_completion", "created": created, "model": req.model}
+    if echo:
+        for i in range(req.n):
+            yield _sse({**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]})
     completion_tokens = 0
     try:
         async for ev in events:

@@ -212,9 +212,7 @@ class VLLMEngine:
         if finish == "stop" and stop_reason is None:
             # The primary EOS id: vLLM reports no stop_reason for it, but it is the last id it sent.
             stop_reason = last_token
-        yield GenerationEnd(
-            finish_reason=finish, stop_reason=stop_reason, prompt_tokens=prompt_tokens, timings=timings
-        )
+        yield GenerationEnd(finish_reason=finish, stop_reason=stop_reason, prompt_tokens=prompt_tokens, timings=timings)
 
     async def _generate_whole(self, request: GenerationRequest) -> AsyncGenerator[GenerationEvent, None]:
         """One unstreamed completion: the same events, in one piece."""
