@@ -171,7 +171,7 @@ def postgres_url(postgres_server_url: str) -> Iterator[str]:
         yield url
 
 
-VLLM_MAX_MODEL_LEN = 1024
+VLLM_MAX_MODEL_LEN = 4096
 
 
 @pytest.fixture(scope="session")

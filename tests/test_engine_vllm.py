@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,11 +51,12 @@ from gateway.errors import (  # noqa: E402
     NotFound,
     RateLimited,
 )
+from tests.conftest import VLLM_MAX_MODEL_LEN  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 SERVED = "tiny"
-MAX_MODEL_LEN = 4096
+MAX_MODEL_LEN = VLLM_MAX_MODEL_LEN
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT_TEXT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 TOLERANCE = 1e-3
@@ -66,28 +66,9 @@ TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
-def vllm_python() -> str:
-    python = find_vllm_python(os.environ.get("CLAWGATE_TEST_VLLM_PYTHON"))
-    if python is None or not Path(python).exists():
-        pytest.skip("no vLLM interpreter: set CLAWGATE_TEST_VLLM_PYTHON or create ./.venv-vllm")
-    return python
-
-
-@pytest.fixture(scope="module")
-def server(vllm_python: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    srv = VLLMServer(
-        vllm_python,
-        tiny_model_dir,
-        served_model_name=SERVED,
-        max_model_len=MAX_MODEL_LEN,
-        dtype="float32",
-        max_loras=2,
-        log_path=log,
-    )
-    srv.start(timeout=300)
-    yield srv
-    srv.stop()
+def server(vllm_server: VLLMServer) -> VLLMServer:
+    """The session's vLLM server (tests/conftest.py), started once for every vLLM test module."""
+    return vllm_server
 
 
 @pytest.fixture(scope="module")
@@ -354,36 +335,25 @@ async def test_unknown_model_is_not_found(engine: VLLMEngine, prompt: list[int])
 
 
 async def test_closing_the_stream_aborts_the_request(engine: VLLMEngine, server: VLLMServer, prompt: list[int]) -> None:
-    before = await prometheus(server, "vllm:generation_tokens_total")
-    max_tokens = MAX_MODEL_LEN - len(prompt)  # several seconds of decoding if nothing stops it
-    stream = engine.generate(GenerationRequest("abort-me", prompt, SamplingParams(max_tokens=max_tokens, seed=1)))
-    import time
-
-    t0 = time.monotonic()
-    first = await anext(stream)
-    print(
-        "DBG first",
-        len(first.token_ids),
-        round(time.monotonic() - t0, 2),
-        await prometheus(server, "vllm:generation_tokens_total") - before,
-    )
-    await stream.aclose()
-    for _ in range(10):
-        print(
-            "DBG",
-            round(time.monotonic() - t0, 2),
-            await prometheus(server, "vllm:num_requests_running"),
-            await prometheus(server, "vllm:generation_tokens_total") - before,
-        )
-        await asyncio.sleep(0.3)
-    for _ in range(200):
-        if await prometheus(server, "vllm:num_requests_running") == 0:
+    max_tokens = MAX_MODEL_LEN - len(prompt)  # over ten seconds of decoding if nothing stops it
+    # vLLM's engine process runs ahead of its API server; on a loaded machine a request can be complete before
+    # the client reads its first chunk, and then there is nothing left to abort. Such attempts are retried.
+    for _ in range(3):
+        before = await prometheus(server, "vllm:generation_tokens_total")
+        request = GenerationRequest("abort-me", prompt, SamplingParams(max_tokens=max_tokens, seed=1))
+        stream = engine.generate(request)
+        assert isinstance(await anext(stream), TokenDelta)
+        still_running = await prometheus(server, "vllm:num_requests_running") == 1
+        await stream.aclose()
+        for _ in range(600):
+            if await prometheus(server, "vllm:num_requests_running") == 0:
+                break
+            await asyncio.sleep(0.05)
+        if still_running:
             break
-        await asyncio.sleep(0.05)
     else:
-        pytest.fail("the request kept running after its stream was closed")
-    # vLLM's engine runs ahead of a busy API server, so some tokens past the first chunk are expected; a request
-    # that was not aborted would have generated all of them.
+        # Nothing was left to abort: the machine was too loaded for this check to say anything either way.
+        pytest.skip("every request finished before its first chunk was read (machine too loaded to observe)")
     generated = await prometheus(server, "vllm:generation_tokens_total") - before
     assert generated < max_tokens, f"all {generated} tokens were generated after the stream was closed"
 

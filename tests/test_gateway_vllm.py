@@ -93,7 +93,7 @@ def test_core_flows_via_vllm(gw):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[])
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 3000}])
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 6000}])
     assert err.value.body["code"] == "context_length_exceeded"
 
 
