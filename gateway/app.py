@@ -19,7 +19,9 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import __version__
+from gateway.api import anthropic as anthropic_api
 from gateway.api import openai as openai_api
+from gateway.api import responses as responses_api
 from gateway.api import system as system_api
 from gateway.engines.base import Engine
 from gateway.errors import APIError, BadRequest
@@ -153,28 +155,32 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
 
     app = FastAPI(title="clawgate", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.include_router(openai_api.router)
+    app.include_router(anthropic_api.router)
+    app.include_router(responses_api.router)
     app.include_router(system_api.router)
     install_error_handlers(app)
     return app
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    def respond(exc: APIError) -> JSONResponse:
+    def respond(request: Request, exc: APIError) -> JSONResponse:
         with suppress(AttributeError):
             app.state.clawgate.metrics.errors.labels(exc.type).inc()
-        return JSONResponse(exc.to_dict(), status_code=exc.status_code)
+        # Each protocol answers errors in its own shape: the Anthropic SDK cannot read OpenAI's, and vice versa.
+        body = exc.to_anthropic() if is_anthropic_path(request.url.path) else exc.to_dict()
+        return JSONResponse(body, status_code=exc.status_code)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return respond(exc)
+        return respond(request, exc)
 
     @app.exception_handler(ValidationError)
     async def model_validation_error(request: Request, exc: ValidationError) -> JSONResponse:
-        return respond(_validation_to_bad_request(exc.errors()))
+        return respond(request, _validation_to_bad_request(exc.errors()))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return respond(_validation_to_bad_request(exc.errors()))
+        return respond(request, _validation_to_bad_request(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -190,14 +196,18 @@ def install_error_handlers(app: FastAPI) -> None:
         if cls is None:
             err = APIError(str(exc.detail))
             err.status_code = exc.status_code
-            return respond(err)
+            return respond(request, err)
         message = f"{request.method} {request.url.path} not found" if exc.status_code == 404 else str(exc.detail)
-        return respond(cls(message))
+        return respond(request, cls(message))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return respond(APIError("internal server error"))
+        return respond(request, APIError("internal server error"))
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.endswith(("/v1/messages", "/v1/messages/count_tokens"))
 
 
 def _validation_to_bad_request(errors: Any) -> BadRequest:

@@ -36,6 +36,27 @@ class APIError(Exception):
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def to_anthropic(self) -> dict[str, Any]:
+        """The Anthropic Messages API's error shape (the anthropic SDK picks its exception by status code)."""
+        return {
+            "type": "error",
+            "error": {"type": ANTHROPIC_TYPES.get(self.status_code, "api_error"), "message": self.message},
+        }
+
+
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "overloaded_error",
+    504: "api_error",
+}
+
 
 class BadRequest(APIError):
     status_code = 400

@@ -44,13 +44,38 @@ async def require_client(request: Request, state: State) -> None:
         raise Unauthorized("Invalid or missing API key.", code="invalid_api_key")
 
 
+# Harness session headers, in priority order after the explicit ones, with the prefix their rollout id gets.
+SESSION_HEADERS = (
+    ("x-claude-code-session-id", "claude-code-"),
+    ("session-id", "codex-"),
+    ("thread-id", "codex-"),
+)
+
+
+def _check_id(value: str, where: str) -> str:
+    value = value.strip()
+    if not value or len(value) > ROLLOUT_ID_MAX or not value.isprintable() or "/" in value:
+        raise BadRequest(f"invalid rollout id in {where}", param=where)
+    return value
+
+
 async def rollout_ref(request: Request) -> RolloutRef:
-    rollout_id = request.path_params.get("rollout_id") or request.headers.get(ROLLOUT_HEADER)
-    if rollout_id is not None:
-        rollout_id = rollout_id.strip()
-        if not rollout_id or len(rollout_id) > ROLLOUT_ID_MAX or not rollout_id.isprintable():
-            raise BadRequest("invalid rollout id", param=ROLLOUT_HEADER)
-    return RolloutRef(id=rollout_id or None)
+    """Who a request belongs to: the URL prefix, then `X-Rollout-Id`, then a harness's own session header
+    (Claude Code, Codex); with none of them the request is grouped implicitly by conversation."""
+    headers = request.headers
+    rollout_id: str | None = None
+    if "rollout_id" in request.path_params:
+        rollout_id = _check_id(request.path_params["rollout_id"], "path")
+    elif ROLLOUT_HEADER in headers:
+        rollout_id = _check_id(headers[ROLLOUT_HEADER], ROLLOUT_HEADER)
+    else:
+        for header, prefix in SESSION_HEADERS:
+            if header in headers:
+                rollout_id = prefix + _check_id(headers[header], header)
+                break
+    # Claude Code marks calls made by a sub-agent; their credit from the rollout's reward is unclear.
+    agent_id = headers.get("x-claude-code-agent-id")
+    return RolloutRef(id=rollout_id, is_subagent=agent_id is not None, agent_id=agent_id)
 
 
 ClientAuth = Depends(require_client)
