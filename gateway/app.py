@@ -22,6 +22,7 @@ from gateway import __version__
 from gateway.api import anthropic as anthropic_api
 from gateway.api import openai as openai_api
 from gateway.api import responses as responses_api
+from gateway.api import rollouts as rollouts_api
 from gateway.api import system as system_api
 from gateway.engines.base import Engine
 from gateway.errors import APIError, BadRequest
@@ -138,6 +139,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
             model_names=frozenset(names),
             accept_any_model="*" in settings.model_aliases,
             started_at=time.time(),
+            db=store,
         )
         log.info(
             "clawgate %s serving %s (engine %s, context %d tokens)",
@@ -157,6 +159,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(responses_api.router)
+    app.include_router(rollouts_api.router)
     app.include_router(system_api.router)
     install_error_handlers(app)
     return app

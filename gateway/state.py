@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import sqlalchemy as sa
 
 from gateway.engines.base import Engine
 from gateway.errors import NotFound
@@ -31,6 +33,9 @@ class AppState:
     model_names: frozenset[str]
     accept_any_model: bool
     started_at: float
+    db: sa.Engine
+    # rollout id -> sha256 of its per-rollout key (None: the rollout has no key), filled on first use
+    rollout_keys: dict[str, str | None] = field(default_factory=dict)
 
     def check_model(self, name: str) -> None:
         if self.accept_any_model or name in self.model_names:

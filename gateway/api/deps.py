@@ -6,17 +6,19 @@ request cost more CPU than everything else the gateway does for a short call.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from typing import Annotated
 
 from fastapi import Depends, Request
 
-from gateway.errors import BadRequest, Unauthorized
+from gateway import rollouts
+from gateway.errors import BadRequest, Forbidden, Unauthorized
 from gateway.service import RolloutRef
 from gateway.state import AppState
 
 ROLLOUT_HEADER = "x-rollout-id"
-ROLLOUT_ID_MAX = 128
+ROLLOUT_ID_MAX = 100
 
 
 async def get_state(request: Request) -> AppState:
@@ -34,14 +36,65 @@ def presented_key(request: Request) -> str | None:
     return request.headers.get("x-api-key")
 
 
-async def require_client(request: Request, state: State) -> None:
-    keys = state.settings.api_keys
-    if not keys:
-        return
-    key = presented_key(request)
+def _matches_any(key: str, keys: list[str]) -> bool:
     # Compare against every key so the time taken does not reveal which one matched.
-    if key is None or not any([hmac.compare_digest(key.encode(), k.encode()) for k in keys]):
+    return any([hmac.compare_digest(key.encode(), k.encode()) for k in keys])
+
+
+async def rollout_key_hash(state: AppState, rollout_id: str) -> str | None:
+    if rollout_id not in state.rollout_keys:
+        state.rollout_keys[rollout_id] = await asyncio.to_thread(rollouts.key_hash_of, state.db, rollout_id)
+    return state.rollout_keys[rollout_id]
+
+
+async def _rollout_key_ok(state: AppState, key: str, rollout_id: str | None) -> None:
+    """A per-rollout key works only for its own rollout (403 otherwise, without saying whose key it is)."""
+    if rollout_id is None:
+        raise Forbidden("a rollout key can only be used under its rollout's base_url or with X-Rollout-Id")
+    if not rollouts.key_matches(key, await rollout_key_hash(state, rollout_id)):
+        raise Forbidden(f"this key does not grant access to rollout {rollout_id!r}")
+
+
+def _request_rollout_id(request: Request) -> str | None:
+    value = request.path_params.get("rollout_id") or request.headers.get(ROLLOUT_HEADER)
+    return value.strip() if value else None
+
+
+async def require_client(request: Request, state: State) -> None:
+    """Serving routes: a client key (CLAWGATE_API_KEYS), or the per-rollout key of the rollout addressed."""
+    key = presented_key(request)
+    if key is not None and key.startswith(rollouts.ROLLOUT_KEY_PREFIX):
+        await _rollout_key_ok(state, key, _request_rollout_id(request))
+        return
+    keys = state.settings.api_keys
+    if keys and (key is None or not _matches_any(key, keys)):
         raise Unauthorized("Invalid or missing API key.", code="invalid_api_key")
+
+
+def _is_admin(state: AppState, key: str | None) -> bool:
+    admin = state.settings.admin_key
+    if admin is None:
+        return state.settings.environment == "development"
+    return key is not None and hmac.compare_digest(key.encode(), admin.get_secret_value().encode())
+
+
+async def require_admin(request: Request, state: State) -> None:
+    key = presented_key(request)
+    if _is_admin(state, key):
+        return
+    if key is not None and key.startswith(rollouts.ROLLOUT_KEY_PREFIX):
+        raise Forbidden("a rollout key cannot use this endpoint")
+    raise Unauthorized("this endpoint needs the admin key", code="invalid_api_key")
+
+
+async def authorize_rollout(request: Request, state: AppState, rollout_id: str) -> None:
+    """Rollout endpoints: the admin key, or that rollout's own key."""
+    key = presented_key(request)
+    if key is not None and key.startswith(rollouts.ROLLOUT_KEY_PREFIX):
+        await _rollout_key_ok(state, key, rollout_id)
+        return
+    if not _is_admin(state, key):
+        raise Unauthorized("this endpoint needs the admin key or the rollout's key", code="invalid_api_key")
 
 
 # Harness session headers, in priority order after the explicit ones, with the prefix their rollout id gets.
@@ -79,4 +132,5 @@ async def rollout_ref(request: Request) -> RolloutRef:
 
 
 ClientAuth = Depends(require_client)
+AdminAuth = Depends(require_admin)
 Rollout = Annotated[RolloutRef, Depends(rollout_ref)]

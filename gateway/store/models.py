@@ -70,7 +70,7 @@ class Rollout(Base):
 
     __tablename__ = "rollouts"
 
-    id: Mapped[str] = mapped_column(sa.String(40), primary_key=True)
+    id: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
     kind: Mapped[str] = mapped_column(sa.String)  # "explicit" | "implicit"
     task_id: Mapped[str | None] = mapped_column(sa.String)
     harness: Mapped[str | None] = mapped_column(sa.String)
@@ -106,7 +106,7 @@ class Call(Base):
     request_id: Mapped[str] = mapped_column(sa.String, index=True)
     choice_index: Mapped[int] = mapped_column(sa.Integer, default=0)
     # Indexed through ix_calls_rollout_id_started_at (a leading column serves lookups by rollout alone).
-    rollout_id: Mapped[str] = mapped_column(sa.String(40), sa.ForeignKey("rollouts.id"))
+    rollout_id: Mapped[str] = mapped_column(sa.String(128), sa.ForeignKey("rollouts.id"))
     api: Mapped[str] = mapped_column(sa.String)  # "chat" | "completions" | "messages" | "responses"
     model: Mapped[str] = mapped_column(sa.String)
     adapter: Mapped[str | None] = mapped_column(sa.String)
@@ -150,7 +150,7 @@ class Reward(Base):
     __tablename__ = "rewards"
 
     id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
-    rollout_id: Mapped[str] = mapped_column(sa.String(40), sa.ForeignKey("rollouts.id"), index=True)
+    rollout_id: Mapped[str] = mapped_column(sa.String(128), sa.ForeignKey("rollouts.id"), index=True)
     call_id: Mapped[str | None] = mapped_column(sa.String(40), sa.ForeignKey("calls.id"))
     value: Mapped[float] = mapped_column(sa.Float)
     source: Mapped[str | None] = mapped_column(sa.String)

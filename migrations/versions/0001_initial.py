@@ -25,7 +25,7 @@ def _timestamp(name: str, *, nullable: bool = False) -> sa.Column[object]:
 def upgrade() -> None:
     op.create_table(
         "rollouts",
-        sa.Column("id", sa.String(40), nullable=False),
+        sa.Column("id", sa.String(128), nullable=False),
         sa.Column("kind", sa.String(), nullable=False),
         sa.Column("task_id", sa.String(), nullable=True),
         sa.Column("harness", sa.String(), nullable=True),
@@ -46,7 +46,7 @@ def upgrade() -> None:
         sa.Column("id", sa.String(40), nullable=False),
         sa.Column("request_id", sa.String(), nullable=False),
         sa.Column("choice_index", sa.Integer(), nullable=False),
-        sa.Column("rollout_id", sa.String(40), nullable=False),
+        sa.Column("rollout_id", sa.String(128), nullable=False),
         sa.Column("api", sa.String(), nullable=False),
         sa.Column("model", sa.String(), nullable=False),
         sa.Column("adapter", sa.String(), nullable=True),
@@ -85,7 +85,7 @@ def upgrade() -> None:
     op.create_table(
         "rewards",
         sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
-        sa.Column("rollout_id", sa.String(40), nullable=False),
+        sa.Column("rollout_id", sa.String(128), nullable=False),
         sa.Column("call_id", sa.String(40), nullable=True),
         sa.Column("value", sa.Float(), nullable=False),
         sa.Column("source", sa.String(), nullable=True),

@@ -1,0 +1,106 @@
+"""Rollout lifecycle routes: create, reward, finish, list, inspect; per-call feedback.
+
+Keys: creating and listing rollouts and posting feedback need the admin key; a rollout's own key (returned once,
+at creation) can serve calls under its ``base_url``, post its reward, finish it and read it — and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+
+from gateway import rollouts
+from gateway.api.deps import AdminAuth, State, authorize_rollout
+from gateway.errors import NotFound
+from gateway.protocol.rollouts import CreateRollout, FinishRollout, PostFeedback, PostReward
+
+router = APIRouter()
+
+
+@router.post("/v1/rollouts", dependencies=[AdminAuth], status_code=201)
+async def create_rollout(body: CreateRollout, request: Request, state: State) -> dict[str, Any]:
+    rollout, key = await asyncio.to_thread(
+        rollouts.create,
+        state.db,
+        task_id=body.task_id,
+        harness=body.harness,
+        group=body.group,
+        metadata=body.metadata,
+    )
+    state.rollout_keys[rollout.id] = rollout.api_key_hash
+    base = str(request.base_url).rstrip("/")
+    return {**rollouts.summary(rollout), "api_key": key, "base_url": f"{base}/rollouts/{rollout.id}/v1"}
+
+
+@router.post("/v1/rollouts/{rollout_id}/reward", status_code=201)
+async def post_reward(rollout_id: str, body: PostReward, request: Request, state: State) -> dict[str, Any]:
+    await authorize_rollout(request, state, rollout_id)
+    await state.writer.flush()  # the rollout row may still be in the capture queue
+    reward = await asyncio.to_thread(
+        rollouts.add_reward, state.db, rollout_id, body.value, source=body.source, details=body.details
+    )
+    return rollouts.reward_dict(reward)
+
+
+@router.post("/v1/rollouts/{rollout_id}/finish")
+async def finish_rollout(rollout_id: str, request: Request, state: State) -> dict[str, Any]:
+    await authorize_rollout(request, state, rollout_id)
+    raw = await request.body()
+    body = FinishRollout.model_validate_json(raw) if raw.strip() else FinishRollout()
+    # Every call served so far must be in the store before the rollout is marked ready for training.
+    await state.writer.flush()
+    rollout = await asyncio.to_thread(rollouts.finish, state.db, rollout_id, body.status)
+    return rollouts.summary(rollout)
+
+
+@router.get("/v1/rollouts", dependencies=[AdminAuth])
+async def list_rollouts(
+    state: State,
+    task_id: str | None = None,
+    harness: str | None = None,
+    status: str | None = None,
+    group: str | None = None,
+    policy_version: int | None = None,
+    since: dt.datetime | None = None,
+    until: dt.datetime | None = None,
+    limit: int = Query(default=50, ge=1, le=500),
+    cursor: str | None = None,
+) -> dict[str, Any]:
+    f = rollouts.RolloutFilter(task_id, harness, status, group, policy_version, since, until)
+    rows, next_cursor = await asyncio.to_thread(rollouts.list_rollouts, state.db, f, limit=limit, cursor=cursor)
+    return {"object": "list", "data": [rollouts.summary(r) for r in rows], "next_cursor": next_cursor}
+
+
+@router.get("/v1/rollouts/{rollout_id}")
+async def get_rollout(rollout_id: str, request: Request, state: State, tokens: bool = True) -> dict[str, Any]:
+    await authorize_rollout(request, state, rollout_id)
+    await state.writer.flush()
+    return await asyncio.to_thread(rollouts.detail, state.db, rollout_id, with_tokens=tokens)
+
+
+@router.post("/v1/feedback", dependencies=[AdminAuth], status_code=201)
+async def post_feedback(body: PostFeedback, state: State) -> dict[str, Any]:
+    await state.writer.flush()
+    if body.call_id is not None:
+        targets = [(body.call_id, await asyncio.to_thread(rollouts.call_rollout, state.db, body.call_id))]
+    else:
+        assert body.response_id is not None
+        targets = await asyncio.to_thread(rollouts.calls_of_request, state.db, body.response_id)
+        if not targets:
+            raise NotFound(f"no calls for response {body.response_id!r}", param="response_id")
+    rewards = []
+    for call_id, rollout_id in targets:
+        reward = await asyncio.to_thread(
+            rollouts.add_reward,
+            state.db,
+            rollout_id,
+            body.value,
+            source=body.source or "feedback",
+            details=body.details,
+            call_id=call_id,
+        )
+        rewards.append(rollouts.reward_dict(reward))
+    return {"object": "list", "data": rewards}

@@ -1,0 +1,264 @@
+"""Rollout lifecycle on the store: create (with a per-rollout key), reward, finish, list, inspect.
+
+These are synchronous database functions; the routes run them in a worker thread. Calls themselves are written by
+the capture writer, so anything that must observe a rollout's calls (finishing it, rewarding it, reading it)
+first waits for the writer to flush what was already submitted.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import hashlib
+import hmac
+import secrets
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from gateway.errors import BadRequest, NotFound
+from gateway.store import codec, repo
+from gateway.store.models import Call, Reward, Rollout
+
+ROLLOUT_KEY_PREFIX = "cgr-"
+FINISHED = ("completed", "failed", "aborted")
+
+
+def new_rollout_key() -> str:
+    return ROLLOUT_KEY_PREFIX + secrets.token_urlsafe(24)
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def key_matches(key: str, key_hash: str | None) -> bool:
+    return key_hash is not None and hmac.compare_digest(hash_key(key), key_hash)
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def default_group(task_id: str | None, harness: str | None) -> str | None:
+    """The GRPO baseline group: a task–harness pair (different harnesses never share a baseline)."""
+    if task_id is None:
+        return None
+    return f"{task_id}::{harness or 'unknown'}"
+
+
+def create(
+    db: sa.Engine, *, task_id: str | None, harness: str | None, group: str | None, metadata: dict[str, Any] | None
+) -> tuple[Rollout, str]:
+    key = new_rollout_key()
+    now = utcnow()
+    rollout = Rollout(
+        id=f"ro-{uuid.uuid4().hex[:24]}",
+        kind="explicit",
+        task_id=task_id,
+        harness=harness,
+        group_key=group or default_group(task_id, harness),
+        status="open",
+        metadata_=metadata,
+        api_key_hash=hash_key(key),
+        created_at=now,
+        updated_at=now,
+    )
+    with Session(db, expire_on_commit=False) as session, session.begin():
+        session.add(rollout)
+    return rollout, key
+
+
+def key_hash_of(db: sa.Engine, rollout_id: str) -> str | None:
+    with Session(db) as session:
+        return session.scalar(sa.select(Rollout.api_key_hash).where(Rollout.id == rollout_id))
+
+
+def _get(session: Session, rollout_id: str) -> Rollout:
+    rollout = session.get(Rollout, rollout_id)
+    if rollout is None:
+        raise NotFound(f"rollout {rollout_id!r} not found", param="rollout_id")
+    return rollout
+
+
+def add_reward(
+    db: sa.Engine,
+    rollout_id: str,
+    value: float,
+    *,
+    source: str | None,
+    details: dict[str, Any] | None,
+    call_id: str | None = None,
+) -> Reward:
+    with Session(db, expire_on_commit=False) as session, session.begin():
+        _get(session, rollout_id)
+        reward = Reward(
+            rollout_id=rollout_id, call_id=call_id, value=value, source=source, details=details, created_at=utcnow()
+        )
+        session.add(reward)
+    return reward
+
+
+def call_rollout(db: sa.Engine, call_id: str) -> str:
+    with Session(db) as session:
+        rollout_id = session.scalar(sa.select(Call.rollout_id).where(Call.id == call_id))
+    if rollout_id is None:
+        raise NotFound(f"call {call_id!r} not found", param="call_id")
+    return rollout_id
+
+
+def calls_of_request(db: sa.Engine, request_id: str) -> list[tuple[str, str]]:
+    """(call id, rollout id) of every choice of one API response id (chatcmpl-…, msg_…, resp_…)."""
+    with Session(db) as session:
+        rows = session.execute(
+            sa.select(Call.id, Call.rollout_id).where(Call.request_id == request_id).order_by(Call.choice_index)
+        ).all()
+    return [(r[0], r[1]) for r in rows]
+
+
+def finish(db: sa.Engine, rollout_id: str, status: str) -> Rollout:
+    if status not in FINISHED:
+        raise BadRequest(f"status must be one of {', '.join(FINISHED)}", param="status")
+    with Session(db, expire_on_commit=False) as session, session.begin():
+        rollout = _get(session, rollout_id)
+        if rollout.status in FINISHED and rollout.status != status:
+            raise BadRequest(f"rollout {rollout_id!r} is already {rollout.status}", param="status")
+        now = utcnow()
+        rollout.status = status
+        rollout.finished_at = rollout.finished_at or now
+        rollout.updated_at = max(rollout.updated_at, now)
+    return rollout
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutFilter:
+    task_id: str | None = None
+    harness: str | None = None
+    status: str | None = None
+    group: str | None = None
+    policy_version: int | None = None
+    since: dt.datetime | None = None
+    until: dt.datetime | None = None
+
+
+def encode_cursor(rollout: Rollout) -> str:
+    raw = f"{rollout.created_at.isoformat()}|{rollout.id}".encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[dt.datetime, str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        stamp, rollout_id = raw.split("|", 1)
+        return dt.datetime.fromisoformat(stamp), rollout_id
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest("invalid cursor", param="cursor") from exc
+
+
+def list_rollouts(
+    db: sa.Engine, f: RolloutFilter, *, limit: int, cursor: str | None
+) -> tuple[list[Rollout], str | None]:
+    """Newest first, keyset-paginated by (created_at, id)."""
+    query = sa.select(Rollout)
+    for column, value in (
+        (Rollout.task_id, f.task_id),
+        (Rollout.harness, f.harness),
+        (Rollout.status, f.status),
+        (Rollout.group_key, f.group),
+    ):
+        if value is not None:
+            query = query.where(column == value)
+    if f.since is not None:
+        query = query.where(Rollout.created_at >= f.since)
+    if f.until is not None:
+        query = query.where(Rollout.created_at < f.until)
+    if f.policy_version is not None:
+        query = query.where(sa.exists().where(Call.rollout_id == Rollout.id, Call.policy_version == f.policy_version))
+    if cursor is not None:
+        stamp, last_id = _decode_cursor(cursor)
+        query = query.where(
+            sa.or_(Rollout.created_at < stamp, sa.and_(Rollout.created_at == stamp, Rollout.id < last_id))
+        )
+    query = query.order_by(Rollout.created_at.desc(), Rollout.id.desc()).limit(limit + 1)
+    with Session(db, expire_on_commit=False) as session:
+        rows = list(session.scalars(query))
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return rows, (encode_cursor(rows[-1]) if more and rows else None)
+
+
+def summary(rollout: Rollout) -> dict[str, Any]:
+    return {
+        "id": rollout.id,
+        "object": "rollout",
+        "kind": rollout.kind,
+        "task_id": rollout.task_id,
+        "harness": rollout.harness,
+        "group": rollout.group_key,
+        "status": rollout.status,
+        "metadata": rollout.metadata_,
+        "created_at": rollout.created_at.isoformat(),
+        "updated_at": rollout.updated_at.isoformat(),
+        "finished_at": rollout.finished_at.isoformat() if rollout.finished_at else None,
+    }
+
+
+def reward_dict(reward: Reward) -> dict[str, Any]:
+    return {
+        "id": reward.id,
+        "rollout_id": reward.rollout_id,
+        "call_id": reward.call_id,
+        "value": reward.value,
+        "source": reward.source,
+        "details": reward.details,
+        "created_at": reward.created_at.isoformat(),
+    }
+
+
+def detail(db: sa.Engine, rollout_id: str, *, with_tokens: bool = True) -> dict[str, Any]:
+    """A rollout with its calls (exact token ids and logprobs, versions, status) and rewards."""
+    with Session(db) as session:
+        rollout = _get(session, rollout_id)
+        cache = repo.CallCache.for_rollout(session, rollout_id)
+        calls = []
+        for call in repo.calls_for_rollout(session, rollout_id):
+            item: dict[str, Any] = {
+                "id": call.id,
+                "request_id": call.request_id,
+                "choice_index": call.choice_index,
+                "api": call.api,
+                "model": call.model,
+                "adapter": call.adapter,
+                "policy_version": call.policy_version,
+                "engine": call.engine,
+                "status": call.status,
+                "error": call.error,
+                "finish_reason": call.finish_reason,
+                "render_mode": call.render_mode,
+                "is_subagent": call.is_subagent,
+                "agent_id": call.agent_id,
+                "parent_call_id": call.parent_call_id,
+                "prompt_tokens": call.prompt_len,
+                "completion_tokens": call.completion_len,
+                "started_at": call.started_at.isoformat(),
+                "ended_at": call.ended_at.isoformat() if call.ended_at else None,
+                "ttft_ms": call.ttft_ms,
+            }
+            if with_tokens:
+                item["prompt_token_ids"] = repo.full_prompt_ids(cache, call)
+                item["completion_token_ids"] = codec.unpack_ids(call.completion_ids)
+                item["completion_logprobs"] = codec.unpack_logprobs(call.completion_logprobs)
+            calls.append(item)
+        rewards = [
+            reward_dict(r)
+            for r in session.scalars(sa.select(Reward).where(Reward.rollout_id == rollout_id).order_by(Reward.id))
+        ]
+        out = summary(rollout)
+    out["calls"] = calls
+    out["rewards"] = rewards
+    rollout_level = [r for r in rewards if r["call_id"] is None]
+    out["reward"] = rollout_level[-1]["value"] if rollout_level else None
+    return out

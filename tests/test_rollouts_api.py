@@ -1,0 +1,141 @@
+"""The rollout lifecycle over HTTP: create → serve through its base_url with its own key → reward → finish →
+inspect; per-rollout keys reach only their own rollout."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+ADMIN = "admin-secret-key"
+MESSAGES = [{"role": "system", "content": "Agent."}, {"role": "user", "content": "Begin."}]
+
+
+@pytest.fixture
+def gw(gateway_factory):
+    return gateway_factory(admin_key=ADMIN, api_keys="client-key")
+
+
+def admin(gw) -> httpx.Client:
+    return httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+
+
+def create(gw, **body) -> dict:
+    r = admin(gw).post("/v1/rollouts", json={"task_id": "t1", "harness": "sdk", **body})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def drive(base_url: str, key: str, turns: int) -> list[str]:
+    client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+    messages = list(MESSAGES)
+    ids = []
+    for turn in range(turns):
+        raw = client.chat.completions.with_raw_response.create(model="tiny", messages=messages, max_tokens=8, seed=turn)
+        ids.append(raw.headers["x-clawgate-call-id"])
+        messages += [
+            {"role": "assistant", "content": raw.parse().choices[0].message.content or ""},
+            {"role": "user", "content": f"step {turn}"},
+        ]
+    return ids
+
+
+def test_rollout_lifecycle_end_to_end(gw):
+    ro = create(gw, metadata={"seed": 1})
+    assert ro["base_url"] == f"{gw.url}/rollouts/{ro['id']}/v1"
+    assert ro["api_key"].startswith("cgr-") and ro["group"] == "t1::sdk" and ro["status"] == "open"
+    call_ids = drive(ro["base_url"], ro["api_key"], 5)
+    key = {"Authorization": f"Bearer {ro['api_key']}"}
+    r = httpx.post(f"{gw.url}/v1/rollouts/{ro['id']}/reward", json={"value": 0.75, "source": "verifier"}, headers=key)
+    assert r.status_code == 201 and r.json()["value"] == 0.75
+    r = httpx.post(f"{gw.url}/v1/rollouts/{ro['id']}/finish", json={"status": "completed"}, headers=key)
+    assert r.status_code == 200 and r.json()["status"] == "completed"
+    detail = httpx.get(f"{gw.url}/v1/rollouts/{ro['id']}", headers=key).json()
+    assert [c["id"] for c in detail["calls"]] == call_ids
+    assert detail["reward"] == 0.75 and detail["task_id"] == "t1" and detail["metadata"] == {"seed": 1}
+    calls = detail["calls"]
+    assert all(c["status"] == "ok" and len(c["completion_logprobs"]) == len(c["completion_token_ids"]) for c in calls)
+    # One path: every call's prompt extends the previous call's prompt + completion.
+    for prev, cur in zip(calls, calls[1:], strict=False):
+        full = prev["prompt_token_ids"] + prev["completion_token_ids"]
+        assert cur["prompt_token_ids"][: len(full)] == full
+        assert cur["render_mode"] == "spliced"
+
+
+def test_rollout_keys_are_scoped(gw):
+    a, b = create(gw), create(gw)
+    key_a = {"Authorization": f"Bearer {a['api_key']}"}
+    # A's key cannot serve, reward, finish or read under B.
+    with pytest.raises(openai.PermissionDeniedError):
+        drive(b["base_url"], a["api_key"], 1)
+    for method, path, body in (("POST", "reward", {"value": 1}), ("POST", "finish", {}), ("GET", "", None)):
+        url = f"{gw.url}/v1/rollouts/{b['id']}" + (f"/{path}" if path else "")
+        r = httpx.request(method, url, json=body, headers=key_a)
+        assert r.status_code == 403, (path, r.text)
+    # ... nor list rollouts, create them or post feedback.
+    assert httpx.get(f"{gw.url}/v1/rollouts", headers=key_a).status_code == 403
+    assert httpx.post(f"{gw.url}/v1/rollouts", json={}, headers=key_a).status_code == 403
+    # A rollout key on the plain /v1 path (no rollout addressed) is refused too.
+    assert (
+        httpx.post(
+            f"{gw.url}/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES}, headers=key_a
+        ).status_code
+        == 403
+    )
+    # Rewards need a key: none, or a client key, is 401.
+    assert httpx.post(f"{gw.url}/v1/rollouts/{a['id']}/reward", json={"value": 1}).status_code == 401
+    assert (
+        httpx.post(
+            f"{gw.url}/v1/rollouts/{a['id']}/reward", json={"value": 1}, headers={"Authorization": "Bearer client-key"}
+        ).status_code
+        == 401
+    )
+    # The admin key can do everything.
+    assert admin(gw).post(f"/v1/rollouts/{b['id']}/reward", json={"value": 1}).status_code == 201
+
+
+def test_validation_and_not_found(gw):
+    a = admin(gw)
+    assert a.post("/v1/rollouts/ro-missing/reward", json={"value": 1}).status_code == 404
+    r = a.post("/v1/rollouts/ro-missing/reward", json={"value": "high"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    ro = create(gw)
+    assert a.post(f"/v1/rollouts/{ro['id']}/finish", json={"status": "done"}).status_code == 400
+    assert a.post(f"/v1/rollouts/{ro['id']}/finish", json={"status": "failed"}).status_code == 200
+    r = a.post(f"/v1/rollouts/{ro['id']}/finish", json={"status": "completed"})
+    assert r.status_code == 400 and "already failed" in r.json()["error"]["message"]
+
+
+def test_list_filters_and_pagination(gw):
+    ids = [create(gw, task_id=f"task-{i % 2}")["id"] for i in range(5)]
+    a = admin(gw)
+    page1 = a.get("/v1/rollouts", params={"limit": 2}).json()
+    page2 = a.get("/v1/rollouts", params={"limit": 2, "cursor": page1["next_cursor"]}).json()
+    page3 = a.get("/v1/rollouts", params={"limit": 2, "cursor": page2["next_cursor"]}).json()
+    seen = [r["id"] for p in (page1, page2, page3) for r in p["data"]]
+    assert sorted(seen) == sorted(ids) and len(set(seen)) == 5 and page3["next_cursor"] is None
+    only = a.get("/v1/rollouts", params={"task_id": "task-0"}).json()["data"]
+    assert {r["task_id"] for r in only} == {"task-0"} and len(only) == 3
+    assert a.get("/v1/rollouts", params={"cursor": "!!"}).status_code == 400
+
+
+def test_feedback_by_call_and_response_id(gw):
+    client = openai.OpenAI(base_url=gw.v1, api_key="client-key", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=MESSAGES, max_tokens=4, n=2)
+    resp = raw.parse()
+    a = admin(gw)
+    by_response = a.post("/v1/feedback", json={"response_id": resp.id, "value": 1.0})
+    assert by_response.status_code == 201 and len(by_response.json()["data"]) == 2
+    call_id = raw.headers["x-clawgate-call-id"].split(",")[0]
+    by_call = a.post("/v1/feedback", json={"call_id": call_id, "value": -1.0}).json()["data"]
+    assert by_call[0]["call_id"] == call_id and by_call[0]["rollout_id"] == raw.headers["x-clawgate-rollout-id"]
+    assert a.post("/v1/feedback", json={"value": 1.0}).status_code == 400
+    assert a.post("/v1/feedback", json={"call_id": "nope", "value": 1.0}).status_code == 404
+    assert (
+        httpx.post(
+            f"{gw.url}/v1/feedback",
+            json={"call_id": call_id, "value": 1},
+            headers={"Authorization": "Bearer client-key"},
+        ).status_code
+        == 401
+    )
