@@ -3,6 +3,8 @@ inspect; per-rollout keys reach only their own rollout."""
 
 from __future__ import annotations
 
+import itertools
+
 import httpx
 import openai
 import pytest
@@ -56,7 +58,7 @@ def test_rollout_lifecycle_end_to_end(gw):
     calls = detail["calls"]
     assert all(c["status"] == "ok" and len(c["completion_logprobs"]) == len(c["completion_token_ids"]) for c in calls)
     # One path: every call's prompt extends the previous call's prompt + completion.
-    for prev, cur in zip(calls, calls[1:], strict=False):
+    for prev, cur in itertools.pairwise(calls):
         full = prev["prompt_token_ids"] + prev["completion_token_ids"]
         assert cur["prompt_token_ids"][: len(full)] == full
         assert cur["render_mode"] == "spliced"
