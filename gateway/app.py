@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -18,7 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import __version__
+from gateway import __version__, rollouts
 from gateway.api import anthropic as anthropic_api
 from gateway.api import openai as openai_api
 from gateway.api import responses as responses_api
@@ -59,6 +60,22 @@ def make_engine(settings: Settings, tokenizer: Any) -> Engine:
         timeout=settings.vllm_timeout,
         eos_token_ids=sorted(end_ids),
     )
+
+
+async def close_idle_sessions(store: Any, writer: CallWriter, service: ChatService, idle_seconds: float) -> None:
+    """Finish implicit and harness-session rollouts nobody has used for ``idle_seconds`` (they have no explicit end)."""
+    interval = min(60.0, idle_seconds / 4)
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await writer.flush()
+            closed = await asyncio.to_thread(rollouts.close_idle, store, idle_seconds)
+        except Exception:  # the database may be down; the writer reports that, try again later
+            log.warning("could not close idle sessions", exc_info=True)
+            continue
+        if closed:
+            service.closed_rollouts.update(closed)
+            log.info("closed %d idle session rollout(s)", len(closed))
 
 
 def generation_eos_ids(model: str) -> list[int]:
@@ -148,9 +165,13 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
             eng.name,
             eng.max_model_len,
         )
+        closer = asyncio.create_task(close_idle_sessions(store, writer, service, settings.session_idle_timeout))
         try:
             yield
         finally:
+            closer.cancel()
+            with suppress(asyncio.CancelledError):
+                await closer
             await eng.close()
             await writer.close(timeout=30.0)
             store.dispose()

@@ -119,6 +119,25 @@ def calls_of_request(db: sa.Engine, request_id: str) -> list[tuple[str, str]]:
     return [(r[0], r[1]) for r in rows]
 
 
+def close_idle(db: sa.Engine, idle_seconds: float) -> list[str]:
+    """Mark implicit and harness-session rollouts idle for ``idle_seconds`` as completed; returns their ids."""
+    now = utcnow()
+    idle = (
+        Rollout.kind.in_(("implicit", "session")),
+        Rollout.status == "open",
+        Rollout.updated_at < now - dt.timedelta(seconds=idle_seconds),
+    )
+    with Session(db) as session, session.begin():
+        ids = list(session.scalars(sa.select(Rollout.id).where(*idle).with_for_update()))
+        if ids:
+            session.execute(
+                sa.update(Rollout)
+                .where(Rollout.id.in_(ids), Rollout.status == "open")
+                .values(status="completed", finished_at=now)
+            )
+    return ids
+
+
 def finish(db: sa.Engine, rollout_id: str, status: str) -> Rollout:
     if status not in FINISHED:
         raise BadRequest(f"status must be one of {', '.join(FINISHED)}", param="status")

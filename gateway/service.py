@@ -56,6 +56,9 @@ class RolloutRef:
     id: str | None = None
     is_subagent: bool = False
     agent_id: str | None = None
+    # explicit: named by the client (URL prefix, X-Rollout-Id); session: a harness's own session header.
+    # Session and implicit rollouts are closed by the gateway after an idle timeout; explicit ones by the client.
+    kind: str = "explicit"
 
 
 @dataclass(slots=True)
@@ -162,6 +165,9 @@ class ChatService:
         self.adapter = adapter
         self.policy_version = policy_version
         self.db = db
+        # Implicit rollouts the gateway closed: a conversation that resumes after that starts a new rollout
+        # (still spliced from the raw tokens), so nothing is added to a rollout that may already be trained.
+        self.closed_rollouts: set[str] = set()
 
     # -- prepare --------------------------------------------------------------------------------------------
     async def prepare(self, job: ChatJob) -> Prepared:
@@ -186,7 +192,7 @@ class ChatService:
         params = replace(job.params, max_tokens=max_tokens)
         if job.rollout.id is not None:
             rollout_id = job.rollout.id
-        elif plan.parent is not None:
+        elif plan.parent is not None and plan.parent.rollout_id not in self.closed_rollouts:
             rollout_id = plan.parent.rollout_id
         else:
             rollout_id = new_id("ro")
@@ -237,6 +243,8 @@ class ChatService:
             call = session.scalars(query.order_by(Call.started_at.desc()).limit(1)).first()
             if call is None:
                 return None
+            if scope is None and session.get(Rollout, call.rollout_id).status != "open":  # type: ignore[union-attr]
+                self.closed_rollouts.add(call.rollout_id)
             cache = repo.CallCache(session)
             completion = codec.unpack_ids(call.completion_ids)
             raw_messages = cache.messages(call)
@@ -414,7 +422,9 @@ class ChatService:
             ttft_ms=None if t_first is None else (t_first - prep.t0) * 1000,
             engine_ms=engine_s * 1000,
             gateway_ms=max(total_s - engine_s, 0.0) * 1000,
-            rollout=RolloutRecord(id=prep.rollout_id, kind="explicit" if job.rollout.id is not None else "implicit"),
+            rollout=RolloutRecord(
+                id=prep.rollout_id, kind=job.rollout.kind if job.rollout.id is not None else "implicit"
+            ),
         )
         try:
             self.writer.submit(record)

@@ -141,3 +141,49 @@ def test_feedback_by_call_and_response_id(gw):
         ).status_code
         == 401
     )
+
+
+def test_idle_sessions_are_closed_explicit_rollouts_are_not(gateway_factory):
+    import time
+
+    gw = gateway_factory(admin_key=ADMIN, session_idle_timeout=0.5)
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
+    implicit = httpx.post(gw.v1 + "/chat/completions", json=body).headers["x-clawgate-rollout-id"]
+    session = httpx.post(gw.v1 + "/chat/completions", json=body, headers={"session-id": "abc"})
+    explicit = httpx.post(gw.v1 + "/chat/completions", json=body, headers={"X-Rollout-Id": "mine"})
+    assert session.headers["x-clawgate-rollout-id"] == "codex-abc"
+    a = admin(gw)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        statuses = {r["id"]: r["status"] for r in a.get("/v1/rollouts").json()["data"]}
+        if statuses.get(implicit) == "completed" and statuses.get("codex-abc") == "completed":
+            break
+        time.sleep(0.1)
+    assert statuses[implicit] == "completed" and statuses["codex-abc"] == "completed"
+    assert statuses[explicit.headers["x-clawgate-rollout-id"]] == "open"
+
+
+def test_conversation_resumed_after_idle_close_starts_a_new_rollout(gateway_factory):
+    import time
+
+    gw = gateway_factory(admin_key=ADMIN, session_idle_timeout=0.4)
+    client = openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0)
+    first = client.chat.completions.with_raw_response.create(model="tiny", messages=MESSAGES, max_tokens=6, seed=1)
+    old = first.headers["x-clawgate-rollout-id"]
+    a = admin(gw)
+    deadline = time.monotonic() + 10
+    while a.get(f"/v1/rollouts/{old}").json()["status"] != "completed" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert a.get(f"/v1/rollouts/{old}").json()["status"] == "completed"
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": first.parse().choices[0].message.content or ""},
+        {"role": "user", "content": "again"},
+    ]
+    second = client.chat.completions.with_raw_response.create(model="tiny", messages=messages, max_tokens=4)
+    new = second.headers["x-clawgate-rollout-id"]
+    assert new != old
+    calls = a.get(f"/v1/rollouts/{new}").json()["calls"]
+    # Still token-exact: the new rollout's first call splices the raw ids of the closed one's answer.
+    assert calls[0]["render_mode"] == "spliced" and calls[0]["parent_call_id"] == first.headers["x-clawgate-call-id"]
+    assert len(a.get(f"/v1/rollouts/{old}").json()["calls"]) == 1

@@ -1,7 +1,452 @@
-"""Anthropic Messages API routes (`POST /v1/messages`, `POST /v1/messages/count_tokens`)."""
+"""Anthropic Messages API routes: `POST /v1/messages` (streaming and not) and `POST /v1/messages/count_tokens`.
+
+Claude Code and OpenClaw's anthropic mode speak this protocol. Each request is translated into the internal
+``Message``/``ToolSpec`` model, served by ``ChatService`` exactly like a chat completion, and the result is
+translated back into Anthropic content blocks (``thinking``, ``text``, ``tool_use``) or their SSE event sequence.
+
+The translation is a handful of small pure functions written here rather than taken from a format-adapter
+library (LiteLLM has one): the fields that decide token-in-token-out splicing — how an echoed assistant turn's
+text, reasoning and tool calls map onto a ``Message`` — must be under exact control, and the serving path should
+not carry a large, network-capable dependency.
+
+Translation rules (request → internal):
+
+- ``system`` (string or text blocks) becomes the first system message; ``role: "system"`` entries inside
+  ``messages`` (Claude Code sends them) stay system messages where they are.
+- Consecutive messages of the same role form one turn, as the Anthropic API combines them.
+- Assistant turns: text blocks → content, ``thinking`` → reasoning, ``tool_use`` → tool calls (input dict as
+  JSON arguments); ``redacted_thinking`` is dropped (it is opaque). So an echo of an answer normalizes exactly
+  like the answer the service registered (content text; tool call names and arguments), whatever the client did
+  to tool-use ids or thinking blocks, and the answer's raw tokens are spliced.
+- User turns: each ``tool_result`` becomes a ``tool`` message (``is_error`` prefixes its text with ``Error:``);
+  text in the same turn becomes a user message after them.
+- Images and documents are refused with a 400: the served models take text only.
+
+Thinking blocks the gateway generates carry a signature naming the call that produced them. Clients replay it
+unchanged; it is accepted back and never checked, because reasoning plays no part in recognising an echoed turn
+(the raw tokens of the original answer are spliced instead).
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import asyncio
+import base64
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.api.deps import ClientAuth, Rollout, State
+from gateway.api.openai import SSE_HEADERS, _collect_all, _json_body, _prefetch
+from gateway.conversation import Message, ToolCall, ToolSpec
+from gateway.engines.base import SamplingParams
+from gateway.errors import APIError, BadRequest
+from gateway.parsers.base import ParsedOutput
+from gateway.protocol.anthropic import (
+    ConversationFields,
+    CountTokensRequest,
+    MessagesRequest,
+    RedactedThinkingBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolDef,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from gateway.service import ChatJob, ChoiceDelta, ChoiceResult, Prepared
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger("clawgate.api.anthropic")
 
 router = APIRouter()
+
+MEDIA_BLOCKS = frozenset({"image", "document", "file", "container_upload"})
+
+
+# --- translation in ------------------------------------------------------------------------------------------
+def _refuse(kind: str, role: str) -> BadRequest:
+    if kind in MEDIA_BLOCKS:
+        return BadRequest(f"this model accepts text only; got a content block of type {kind!r}", param="messages")
+    return BadRequest(f"content blocks of type {kind!r} are not supported in {role} messages", param="messages")
+
+
+def system_text(system: str | list[TextBlock] | None) -> str | None:
+    if system is None or isinstance(system, str):
+        return system
+    return "\n".join(block.text for block in system)
+
+
+def _tool_result_text(block: ToolResultBlock) -> str:
+    content = block.content
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        parts: list[str] = []
+        for part in content:
+            if isinstance(part, TextBlock):
+                parts.append(part.text)
+            elif part.type == "tool_reference":
+                # Tool search results name tools whose schemas are now loaded; all offered tools are already in
+                # the prompt, so the name is all the model needs.
+                parts.append(str((part.model_extra or {}).get("tool_name", "")))
+            else:
+                raise _refuse(part.type, "tool_result")
+        text = "\n".join(parts)
+    return f"Error: {text}" if block.is_error else text
+
+
+def to_messages(req: ConversationFields) -> list[Message]:
+    """The request's conversation as internal messages (see the module docstring for the rules)."""
+    out: list[Message] = []
+    system = system_text(req.system)
+    if system is not None:
+        out.append(Message(role="system", content=system))
+    # Consecutive same-role messages are one turn (the Anthropic API combines them).
+    turns: list[tuple[str, list[Any]]] = []
+    for m in req.messages:
+        blocks = [TextBlock(text=m.content)] if isinstance(m.content, str) else list(m.content)
+        if turns and turns[-1][0] == m.role:
+            turns[-1][1].extend(blocks)
+        else:
+            turns.append((m.role, blocks))
+    if turns[-1][0] == "assistant":
+        # Continuing a final assistant message needs the template to leave the turn open; recent Claude models
+        # refuse prefill too, so no harness relies on it.
+        raise BadRequest("a final assistant message (prefill) is not supported", param="messages")
+    tool_names: dict[str, str] = {}
+    for role, blocks in turns:
+        if role == "assistant":
+            out.append(_assistant(blocks, tool_names))
+        elif role == "system":
+            texts = []
+            for block in blocks:
+                if not isinstance(block, TextBlock):
+                    raise _refuse(block.type, "system")
+                texts.append(block.text)
+            out.append(Message(role="system", content="\n".join(texts)))
+        else:
+            out.extend(_user(blocks, tool_names))
+    return out
+
+
+def _assistant(blocks: list[Any], tool_names: dict[str, str]) -> Message:
+    texts: list[str] = []
+    reasoning: list[str] = []
+    calls: list[ToolCall] = []
+    for block in blocks:
+        if isinstance(block, TextBlock):
+            if block.text:
+                texts.append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            if block.thinking:
+                reasoning.append(block.thinking)
+        elif isinstance(block, ToolUseBlock):
+            tool_names[block.id] = block.name
+            calls.append(ToolCall(block.name, json.dumps(block.input, ensure_ascii=False), block.id))
+        elif isinstance(block, RedactedThinkingBlock):
+            continue  # encrypted by another provider: nothing a model could read
+        else:
+            raise _refuse(block.type, "assistant")
+    return Message(
+        role="assistant",
+        content="\n".join(texts) or None,
+        reasoning="\n".join(reasoning) or None,
+        tool_calls=calls,
+    )
+
+
+def _user(blocks: list[Any], tool_names: dict[str, str]) -> list[Message]:
+    out: list[Message] = []
+    texts: list[str] = []
+    for block in blocks:
+        if isinstance(block, ToolResultBlock):
+            out.append(
+                Message(
+                    role="tool",
+                    content=_tool_result_text(block),
+                    tool_call_id=block.tool_use_id,
+                    name=tool_names.get(block.tool_use_id),
+                )
+            )
+        elif isinstance(block, TextBlock):
+            texts.append(block.text)
+        else:
+            raise _refuse(block.type, "user")
+    # A turn of tool results plus text (OpenClaw appends context after results) is the results, then the text.
+    if texts or not out:
+        out.append(Message(role="user", content="\n".join(texts)))
+    return out
+
+
+def to_tools(tools: list[ToolDef] | None) -> list[ToolSpec]:
+    specs: list[ToolSpec] = []
+    for tool in tools or []:
+        if tool.input_schema is None or not tool.name:
+            # Server tools (web search, code execution ...) run at Anthropic; the served model cannot use them.
+            log.info("ignoring tool %r of type %r: no input_schema", tool.name, tool.type)
+            continue
+        # Deferred tools (defer_loading) are offered like the others: the template has no notion of deferral,
+        # and a tools list that stays the same across turns keeps splicing possible.
+        specs.append(ToolSpec(tool.name, tool.description, tool.input_schema))
+    return specs
+
+
+def sampling(req: MessagesRequest) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=req.max_tokens or 1 << 30,  # clipped to the server cap and the context window in prepare()
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        stop=tuple(req.stop_sequences or ()),
+    )
+
+
+# --- translation out -----------------------------------------------------------------------------------------
+def new_message_id() -> str:
+    return f"msg_{uuid.uuid4().hex[:24]}"
+
+
+def tool_use_id(call_id: str, index: int) -> str:
+    return f"toolu_{call_id[-24:]}{index}"
+
+
+def thinking_signature(call_id: str) -> str:
+    """An opaque token naming the call that produced a thinking block (accepted back, never verified)."""
+    return base64.b64encode(f"clawgate:{call_id}".encode()).decode()
+
+
+def show_thinking(req: MessagesRequest) -> bool:
+    # `display: "omitted"` asks for thinking blocks that carry only their signature.
+    return not (req.thinking is not None and req.thinking.display == "omitted")
+
+
+def stop_reason(
+    result: ChoiceResult, stops: Sequence[str], tokenizer: PreTrainedTokenizerBase
+) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` for a finished choice."""
+    if result.finish_reason == "tool_calls":
+        return "tool_use", None
+    if result.finish_reason == "length":
+        return "max_tokens", None
+    if stops:
+        # The engine stopped right after the token that completed a stop string (or on end-of-turn, when the
+        # text holds none): the earliest stop string in the decoded completion is the one that matched.
+        text = str(tokenizer.decode(result.token_ids, skip_special_tokens=True))
+        found = [(text.find(s), s) for s in stops if s in text]
+        if found:
+            return "stop_sequence", min(found)[1]
+    return "end_turn", None
+
+
+def content_blocks(output: ParsedOutput, call_id: str, thinking_text: bool) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if output.reasoning is not None:
+        blocks.append(
+            {
+                "type": "thinking",
+                "thinking": output.reasoning if thinking_text else "",
+                "signature": thinking_signature(call_id),
+            }
+        )
+    if output.content:
+        blocks.append({"type": "text", "text": output.content})
+    for tc in output.tool_calls:
+        blocks.append(
+            {"type": "tool_use", "id": tool_use_id(call_id, tc.index), "name": tc.name, "input": _input(tc.arguments)}
+        )
+    return blocks
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    # The parser hands over arguments that decode to a JSON object; keep a non-object visible rather than lose it.
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+def _usage(prep: Prepared, output_tokens: int) -> dict[str, int]:
+    return {
+        "input_tokens": len(prep.prompt_ids),
+        "output_tokens": output_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+
+
+def _event(kind: str, data: dict[str, Any]) -> bytes:
+    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {kind}\ndata: {payload}\n\n".encode()
+
+
+class BlockStream:
+    """Turns a choice's deltas into content-block events: each run of reasoning, text or one tool call is a block,
+    opened with ``content_block_start`` and closed (thinking: after its ``signature_delta``) when the next begins."""
+
+    def __init__(self, call_id: str, thinking_text: bool) -> None:
+        self.call_id = call_id
+        self.thinking_text = thinking_text
+        self.index = -1
+        self.kind: str | None = None  # "thinking" | "text" | "tool_use" while a block is open
+
+    def _open(self, block: dict[str, Any]) -> list[bytes]:
+        out = self.close()
+        self.index += 1
+        self.kind = block["type"]
+        out.append(
+            _event("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
+        )
+        return out
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return _event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def close(self) -> list[bytes]:
+        if self.kind is None:
+            return []
+        out: list[bytes] = []
+        if self.kind == "thinking":
+            out.append(self._delta({"type": "signature_delta", "signature": thinking_signature(self.call_id)}))
+        out.append(_event("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+        self.kind = None
+        return out
+
+    def feed(self, ev: ChoiceDelta) -> list[bytes]:
+        out: list[bytes] = []
+        if ev.reasoning:
+            if self.kind != "thinking":
+                out += self._open({"type": "thinking", "thinking": "", "signature": ""})
+            if self.thinking_text:
+                out.append(self._delta({"type": "thinking_delta", "thinking": ev.reasoning}))
+        if ev.content:
+            if self.kind != "text":
+                out += self._open({"type": "text", "text": ""})
+            out.append(self._delta({"type": "text_delta", "text": ev.content}))
+        for tc in ev.tool_calls:
+            # A call's first delta names it; its later deltas only extend the arguments.
+            if tc.name is not None or self.kind != "tool_use":
+                block_id = tool_use_id(self.call_id, tc.index)
+                out += self._open({"type": "tool_use", "id": block_id, "name": tc.name or "", "input": {}})
+            if tc.arguments:
+                out.append(self._delta({"type": "input_json_delta", "partial_json": tc.arguments}))
+        return out
+
+
+# --- routes --------------------------------------------------------------------------------------------------
+def _headers(prep: Prepared) -> dict[str, str]:
+    return {"x-clawgate-call-id": ",".join(prep.call_ids), "x-clawgate-rollout-id": prep.rollout_id}
+
+
+@router.post("/v1/messages", dependencies=[ClientAuth])
+@router.post("/rollouts/{rollout_id}/v1/messages", dependencies=[ClientAuth])
+async def create_message(request: Request, state: State, rollout: Rollout) -> Response:
+    raw = await _json_body(request)
+    req = MessagesRequest.model_validate(raw)
+    state.check_model(req.model)
+    # tool_choice "any"/"tool" (and disable_parallel_tool_use) are accepted but not enforced: forcing a call
+    # needs constrained decoding, which the engines do not offer. "none" leaves tool-call syntax as text.
+    # The `thinking` config is accepted too: whether the model reasons is up to the model and its template.
+    job = ChatJob(
+        api="messages",
+        model=req.model,
+        messages=to_messages(req),
+        tools=to_tools(req.tools),
+        n=1,
+        params=sampling(req),
+        rollout=rollout,
+        raw_request=raw,
+        parse_tool_calls=req.tool_choice is None or req.tool_choice.type != "none",
+        stream=req.stream,
+        request_id=new_message_id(),
+    )
+    service = state.service
+    prep = await service.prepare(job)
+    choice = service.run_choice(prep, 0)
+    thinking_text = show_thinking(req)
+    stops = req.stop_sequences or []
+    if not req.stream:
+        [result] = await _collect_all([choice])
+        reason, sequence = stop_reason(result, stops, state.tokenizer)
+        body = {
+            "id": prep.request_id,
+            "type": "message",
+            "role": "assistant",
+            "model": req.model,
+            "content": content_blocks(result.output, result.call_id, thinking_text),
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": _usage(prep, len(result.token_ids)),
+        }
+        return JSONResponse(body, headers=_headers(prep))
+    _, events = await _prefetch(choice)
+    return StreamingResponse(
+        _message_stream(state.tokenizer, prep, req.model, events, thinking_text, stops),
+        media_type="text/event-stream",
+        headers={**SSE_HEADERS, **_headers(prep)},
+    )
+
+
+async def _message_stream(
+    tokenizer: PreTrainedTokenizerBase,
+    prep: Prepared,
+    model: str,
+    events: AsyncIterator[ChoiceDelta | ChoiceResult],
+    thinking_text: bool,
+    stops: list[str],
+) -> AsyncIterator[bytes]:
+    message: dict[str, Any] = {
+        "id": prep.request_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": _usage(prep, 0),
+    }
+    yield _event("message_start", {"type": "message_start", "message": message})
+    yield _event("ping", {"type": "ping"})
+    blocks = BlockStream(prep.call_ids[0], thinking_text)
+    try:
+        async for ev in events:
+            if isinstance(ev, ChoiceDelta):
+                for chunk in blocks.feed(ev):
+                    yield chunk
+                continue
+            for chunk in blocks.close():
+                yield chunk
+            reason, sequence = stop_reason(ev, stops, tokenizer)
+            usage = {"input_tokens": len(prep.prompt_ids), "output_tokens": len(ev.token_ids)}
+            yield _event(
+                "message_delta",
+                {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage},
+            )
+            yield _event("message_stop", {"type": "message_stop"})
+    except APIError as exc:
+        yield _event("error", exc.to_anthropic())
+    except Exception as exc:  # never let a broken stream end without telling the client why
+        log.exception("messages stream failed")
+        yield _event("error", APIError(f"internal error: {exc}").to_anthropic())
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+@router.post("/v1/messages/count_tokens", dependencies=[ClientAuth])
+@router.post("/rollouts/{rollout_id}/v1/messages/count_tokens", dependencies=[ClientAuth])
+async def count_tokens(request: Request, state: State) -> dict[str, int]:
+    """The prompt length the same conversation would have in a fresh ``/v1/messages`` call."""
+    raw = await _json_body(request)
+    req = CountTokensRequest.model_validate(raw)
+    state.check_model(req.model)
+    messages, tools = to_messages(req), to_tools(req.tools)
+    ids = await asyncio.to_thread(state.renderer.render_fresh, messages, tools)
+    return {"input_tokens": len(ids)}

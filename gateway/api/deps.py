@@ -117,6 +117,7 @@ async def rollout_ref(request: Request) -> RolloutRef:
     (Claude Code, Codex); with none of them the request is grouped implicitly by conversation."""
     headers = request.headers
     rollout_id: str | None = None
+    kind = "explicit"
     if "rollout_id" in request.path_params:
         rollout_id = _check_id(request.path_params["rollout_id"], "path")
     elif ROLLOUT_HEADER in headers:
@@ -125,10 +126,11 @@ async def rollout_ref(request: Request) -> RolloutRef:
         for header, prefix in SESSION_HEADERS:
             if header in headers:
                 rollout_id = prefix + _check_id(headers[header], header)
+                kind = "session"
                 break
     # Claude Code marks calls made by a sub-agent; their credit from the rollout's reward is unclear.
     agent_id = headers.get("x-claude-code-agent-id")
-    return RolloutRef(id=rollout_id, is_subagent=agent_id is not None, agent_id=agent_id)
+    return RolloutRef(id=rollout_id, is_subagent=agent_id is not None, agent_id=agent_id, kind=kind)
 
 
 ClientAuth = Depends(require_client)
