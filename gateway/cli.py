@@ -3,6 +3,8 @@
     clawgate serve        run the gateway (engine: local in-process model, or a vLLM server)
     clawgate up           embedded mode: migrate the database, build the tiny model if needed, serve
     clawgate db upgrade   bring the database schema to the newest migration (also: downgrade, current)
+    clawgate tree ID      print a rollout's reconstructed prefix tree
+    clawgate export       rollouts with calls, rewards and trees as JSONL
     clawgate tiny-model   build the small local test model
 
 Every flag has a ``CLAWGATE_*`` environment variable; a flag given on the command line wins.
@@ -88,7 +90,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_db(args: argparse.Namespace) -> int:
     from gateway.store import db
 
-    url = args.database_url or Settings().database_url
+    url = _db_url(args)
     if args.action == "upgrade":
         db.upgrade(url, args.revision or "head")
         print(f"database at {db.current_revision(url)}")
@@ -121,6 +123,60 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _db_url(args: argparse.Namespace) -> str:
+    return args.database_url or Settings().database_url
+
+
+def cmd_tree(args: argparse.Namespace) -> int:
+    import json
+
+    from gateway.store import db
+    from trainer.data import load_rollout
+
+    engine = db.make_engine(_db_url(args))
+    try:
+        data = load_rollout(engine, args.rollout_id)
+    finally:
+        engine.dispose()
+    if data is None:
+        print(f"error: rollout {args.rollout_id!r} not found", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"rollout_id": args.rollout_id, "reward": data.reward, **data.tree.to_json()}, indent=2))
+    else:
+        r = data.rollout
+        print(f"rollout {r.id}  task={r.task_id}  harness={r.harness}  status={r.status}  reward={data.reward}")
+        print(data.tree.render_text(max_lines=args.max_lines))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Rollouts with their calls, rewards and trees as JSON lines."""
+    import json
+
+    from gateway import rollouts
+    from gateway.store import db
+    from trainer.data import load_rollout, rollout_ids
+
+    engine = db.make_engine(_db_url(args))
+    out = open(args.out, "w", encoding="utf-8") if args.out != "-" else sys.stdout  # noqa: SIM115
+    try:
+        ids = rollout_ids(engine, status=args.status, limit=args.limit)
+        for n, rollout_id in enumerate(ids, 1):
+            record = rollouts.detail(engine, rollout_id, with_tokens=not args.no_tokens)
+            data = load_rollout(engine, rollout_id)
+            if data is not None:
+                record["tree"] = data.tree.to_json(include_tokens=not args.no_tokens)
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            if args.out != "-" and (n % 50 == 0 or n == len(ids)):
+                print(f"exported {n}/{len(ids)} rollouts", file=sys.stderr)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+        engine.dispose()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clawgate", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -138,6 +194,21 @@ def build_parser() -> argparse.ArgumentParser:
     dbp.add_argument("revision", nargs="?", help="target revision (default head; `base` to downgrade all)")
     dbp.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
     dbp.set_defaults(func=cmd_db)
+
+    tree = sub.add_parser("tree", help="print a rollout's reconstructed prefix tree and what was filtered")
+    tree.add_argument("rollout_id")
+    tree.add_argument("--json", action="store_true", help="the JSON form (as GET /v1/rollouts/{id}/tree)")
+    tree.add_argument("--max-lines", type=int, default=200)
+    tree.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
+    tree.set_defaults(func=cmd_tree)
+
+    export = sub.add_parser("export", help="export rollouts with calls, rewards and trees as JSONL")
+    export.add_argument("--out", default="-", help="output file (default: stdout)")
+    export.add_argument("--status", help="only rollouts with this status (open, completed, failed, aborted)")
+    export.add_argument("--limit", type=int)
+    export.add_argument("--no-tokens", action="store_true", help="leave token ids and logprobs out")
+    export.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
+    export.set_defaults(func=cmd_export)
 
     tiny = sub.add_parser("tiny-model", help="build the small local model used by tests and the demo")
     tiny.add_argument("dir")

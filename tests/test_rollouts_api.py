@@ -43,6 +43,11 @@ def drive(base_url: str, key: str, turns: int) -> list[str]:
 
 
 def test_rollout_lifecycle_end_to_end(gw):
+    run_lifecycle(gw)
+
+
+def run_lifecycle(gw) -> dict:
+    """Create → 5 turns through the rollout's base_url → reward → finish → read → tree; returns the rollout."""
     ro = create(gw, metadata={"seed": 1})
     assert ro["base_url"] == f"{gw.url}/rollouts/{ro['id']}/v1"
     assert ro["api_key"].startswith("cgr-") and ro["group"] == "t1::sdk" and ro["status"] == "open"
@@ -62,6 +67,14 @@ def test_rollout_lifecycle_end_to_end(gw):
         full = prev["prompt_token_ids"] + prev["completion_token_ids"]
         assert cur["prompt_token_ids"][: len(full)] == full
         assert cur["render_mode"] == "spliced"
+    tree = httpx.get(f"{gw.url}/v1/rollouts/{ro['id']}/tree", headers=key).json()
+    report = tree["report"]
+    assert tree["reward"] == 0.75 and tree["filtered"] == []
+    assert report["leaves"] == 1 and report["kept_calls"] == 5
+    assert report["trainable_tokens"] == sum(len(c["completion_token_ids"]) for c in calls)
+    last = calls[-1]
+    assert report["tree_tokens"] == len(last["prompt_token_ids"]) + len(last["completion_token_ids"])
+    return ro
 
 
 def test_rollout_keys_are_scoped(gw):
@@ -187,3 +200,24 @@ def test_conversation_resumed_after_idle_close_starts_a_new_rollout(gateway_fact
     # Still token-exact: the new rollout's first call splices the raw ids of the closed one's answer.
     assert calls[0]["render_mode"] == "spliced" and calls[0]["parent_call_id"] == first.headers["x-clawgate-call-id"]
     assert len(a.get(f"/v1/rollouts/{old}").json()["calls"]) == 1
+
+
+def test_tree_and_export_commands(gw, capsys, tmp_path):
+    import json
+
+    from gateway.cli import main
+
+    ro = run_lifecycle(gw)
+    url = gw.settings.database_url
+    assert main(["tree", ro["id"], "--database-url", url]) == 0
+    text = capsys.readouterr().out
+    assert ro["id"] in text and "reward=0.75" in text
+    assert main(["tree", ro["id"], "--json", "--database-url", url]) == 0
+    assert json.loads(capsys.readouterr().out)["report"]["leaves"] == 1
+    assert main(["tree", "ro-none", "--database-url", url]) == 1
+    out = tmp_path / "export.jsonl"
+    assert main(["export", "--out", str(out), "--status", "completed", "--database-url", url]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in lines] == [ro["id"]]
+    assert lines[0]["reward"] == 0.75 and lines[0]["tree"]["report"]["leaves"] == 1
+    assert len(lines[0]["calls"]) == 5 and lines[0]["calls"][0]["prompt_token_ids"]

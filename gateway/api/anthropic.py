@@ -103,8 +103,12 @@ def _tool_result_text(block: ToolResultBlock) -> str:
     return f"Error: {text}" if block.is_error else text
 
 
-def to_messages(req: ConversationFields) -> list[Message]:
-    """The request's conversation as internal messages (see the module docstring for the rules)."""
+def to_messages(req: ConversationFields, *, final_assistant_ok: bool = False) -> list[Message]:
+    """The request's conversation as internal messages (see the module docstring for the rules).
+
+    ``final_assistant_ok``: a conversation may end with an assistant turn (counting tokens); a generation
+    request may not.
+    """
     out: list[Message] = []
     system = system_text(req.system)
     if system is not None:
@@ -117,7 +121,7 @@ def to_messages(req: ConversationFields) -> list[Message]:
             turns[-1][1].extend(blocks)
         else:
             turns.append((m.role, blocks))
-    if turns[-1][0] == "assistant":
+    if turns[-1][0] == "assistant" and not final_assistant_ok:
         # Continuing a final assistant message needs the template to leave the turn open; recent Claude models
         # refuse prefill too, so no harness relies on it.
         raise BadRequest("a final assistant message (prefill) is not supported", param="messages")
@@ -447,6 +451,6 @@ async def count_tokens(request: Request, state: State) -> dict[str, int]:
     raw = await _json_body(request)
     req = CountTokensRequest.model_validate(raw)
     state.check_model(req.model)
-    messages, tools = to_messages(req), to_tools(req.tools)
+    messages, tools = to_messages(req, final_assistant_ok=True), to_tools(req.tools)
     ids = await asyncio.to_thread(state.renderer.render_fresh, messages, tools)
     return {"input_tokens": len(ids)}

@@ -16,6 +16,7 @@ from gateway import rollouts
 from gateway.api.deps import AdminAuth, State, authorize_rollout
 from gateway.errors import NotFound
 from gateway.protocol.rollouts import CreateRollout, FinishRollout, PostFeedback, PostReward
+from trainer.data import load_rollout
 
 router = APIRouter()
 
@@ -79,6 +80,17 @@ async def get_rollout(rollout_id: str, request: Request, state: State, tokens: b
     await authorize_rollout(request, state, rollout_id)
     await state.writer.flush()
     return await asyncio.to_thread(rollouts.detail, state.db, rollout_id, with_tokens=tokens)
+
+
+@router.get("/v1/rollouts/{rollout_id}/tree")
+async def get_tree(rollout_id: str, request: Request, state: State, tokens: bool = False) -> dict[str, Any]:
+    """The rollout's reconstructed prefix tree: edges with token counts, filtered branches and why, figures."""
+    await authorize_rollout(request, state, rollout_id)
+    await state.writer.flush()
+    data = await asyncio.to_thread(load_rollout, state.db, rollout_id)
+    if data is None:
+        raise NotFound(f"rollout {rollout_id!r} not found", param="rollout_id")
+    return {"rollout_id": rollout_id, "reward": data.reward, **data.tree.to_json(include_tokens=tokens)}
 
 
 @router.post("/v1/feedback", dependencies=[AdminAuth], status_code=201)
