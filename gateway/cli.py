@@ -127,6 +127,24 @@ def _db_url(args: argparse.Namespace) -> str:
     return args.database_url or Settings().database_url
 
 
+def _tree_config(args: argparse.Namespace) -> Any:
+    from trainer.filters import TreeConfig
+
+    return TreeConfig(
+        drop_dead_leaves=not args.keep_dead_leaves,
+        drop_compaction=not args.keep_compaction,
+        keep_subagents=args.keep_subagents,
+        max_leaves=args.max_leaves if args.max_leaves > 0 else None,
+    )
+
+
+def _tree_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--keep-dead-leaves", action="store_true", help="keep abandoned retries trainable")
+    p.add_argument("--keep-compaction", action="store_true", help="keep context-compaction branches")
+    p.add_argument("--keep-subagents", action="store_true", help="keep sub-agent calls as separate trajectories")
+    p.add_argument("--max-leaves", type=int, default=8, help="drop rollouts with more leaves (0: no limit)")
+
+
 def cmd_tree(args: argparse.Namespace) -> int:
     import json
 
@@ -135,7 +153,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
 
     engine = db.make_engine(_db_url(args))
     try:
-        data = load_rollout(engine, args.rollout_id)
+        data = load_rollout(engine, args.rollout_id, _tree_config(args))
     finally:
         engine.dispose()
     if data is None:
@@ -164,7 +182,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         ids = rollout_ids(engine, status=args.status, limit=args.limit)
         for n, rollout_id in enumerate(ids, 1):
             record = rollouts.detail(engine, rollout_id, with_tokens=not args.no_tokens)
-            data = load_rollout(engine, rollout_id)
+            data = load_rollout(engine, rollout_id, _tree_config(args))
             if data is not None:
                 record["tree"] = data.tree.to_json(include_tokens=not args.no_tokens)
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -200,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     tree.add_argument("--json", action="store_true", help="the JSON form (as GET /v1/rollouts/{id}/tree)")
     tree.add_argument("--max-lines", type=int, default=200)
     tree.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
+    _tree_flags(tree)
     tree.set_defaults(func=cmd_tree)
 
     export = sub.add_parser("export", help="export rollouts with calls, rewards and trees as JSONL")
@@ -208,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--limit", type=int)
     export.add_argument("--no-tokens", action="store_true", help="leave token ids and logprobs out")
     export.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
+    _tree_flags(export)
     export.set_defaults(func=cmd_export)
 
     tiny = sub.add_parser("tiny-model", help="build the small local model used by tests and the demo")
