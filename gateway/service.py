@@ -123,6 +123,7 @@ class ChoiceResult:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, float]] | None
+    stop_sequence: str | None = None  # the stop string that ended the choice, if one did
 
 
 class PlainText:
@@ -334,7 +335,7 @@ class ChatService:
                 finish = "tool_calls"
             tail_hash = self._register(prep, call_id, ids, output)
             status = "ok"
-            yield ChoiceResult(index, call_id, finish, output, ids, logprobs, tops)
+            yield ChoiceResult(index, call_id, finish, output, ids, logprobs, tops, trimmer.stopped)
         except APIError as exc:
             error = exc
             raise

@@ -22,14 +22,18 @@ class StopTrimmer:
         if not self.stops:
             return text
         buf = self._buffer + text
-        cut = -1
+        # The stop that *completes* first wins (ties: the one starting first). A streamed generation sees the
+        # text in pieces and can only know about a stop once it is complete, so this is the rule that gives the
+        # same answer however the text was chunked (with stops such as "abc" and "b" in "abc": "b").
+        best: tuple[int, int, str] | None = None
         for stop in self.stops:
             pos = buf.find(stop)
-            if pos != -1 and (cut == -1 or pos < cut):
-                cut, self.stopped = pos, stop
-        if cut != -1:
+            if pos != -1 and (best is None or (pos + len(stop), pos) < best[:2]):
+                best = (pos + len(stop), pos, stop)
+        if best is not None:
             self._buffer = ""
-            return buf[:cut]
+            self.stopped = best[2]
+            return buf[: best[1]]
         keep = min(self._hold, len(buf))
         # Hold back only a tail that is a proper prefix of some stop string.
         while keep > 0 and not any(s.startswith(buf[-keep:]) for s in self.stops):

@@ -34,14 +34,14 @@ import base64
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.api.deps import ClientAuth, Rollout, State
-from gateway.api.openai import SSE_HEADERS, _collect_all, _json_body, _prefetch
+from gateway.api.streaming import SSE_HEADERS, call_headers, collect_all, json_body, prefetch
 from gateway.conversation import Message, ToolCall, ToolSpec
 from gateway.engines.base import SamplingParams
 from gateway.errors import APIError, BadRequest
@@ -60,7 +60,7 @@ from gateway.protocol.anthropic import (
 from gateway.service import ChatJob, ChoiceDelta, ChoiceResult, Prepared
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    pass
 
 log = logging.getLogger("clawgate.api.anthropic")
 
@@ -232,21 +232,14 @@ def show_thinking(req: MessagesRequest) -> bool:
     return not (req.thinking is not None and req.thinking.display == "omitted")
 
 
-def stop_reason(
-    result: ChoiceResult, stops: Sequence[str], tokenizer: PreTrainedTokenizerBase
-) -> tuple[str, str | None]:
+def stop_reason(result: ChoiceResult) -> tuple[str, str | None]:
     """Anthropic's ``stop_reason`` and ``stop_sequence`` for a finished choice."""
     if result.finish_reason == "tool_calls":
         return "tool_use", None
     if result.finish_reason == "length":
         return "max_tokens", None
-    if stops:
-        # The engine stopped right after the token that completed a stop string (or on end-of-turn, when the
-        # text holds none): the earliest stop string in the decoded completion is the one that matched.
-        text = str(tokenizer.decode(result.token_ids, skip_special_tokens=True))
-        found = [(text.find(s), s) for s in stops if s in text]
-        if found:
-            return "stop_sequence", min(found)[1]
+    if result.stop_sequence is not None:
+        return "stop_sequence", result.stop_sequence
     return "end_turn", None
 
 
@@ -346,14 +339,10 @@ class BlockStream:
 
 
 # --- routes --------------------------------------------------------------------------------------------------
-def _headers(prep: Prepared) -> dict[str, str]:
-    return {"x-clawgate-call-id": ",".join(prep.call_ids), "x-clawgate-rollout-id": prep.rollout_id}
-
-
 @router.post("/v1/messages", dependencies=[ClientAuth])
 @router.post("/rollouts/{rollout_id}/v1/messages", dependencies=[ClientAuth])
 async def create_message(request: Request, state: State, rollout: Rollout) -> Response:
-    raw = await _json_body(request)
+    raw = await json_body(request)
     req = MessagesRequest.model_validate(raw)
     state.check_model(req.model)
     # tool_choice "any"/"tool" (and disable_parallel_tool_use) are accepted but not enforced: forcing a call
@@ -376,10 +365,9 @@ async def create_message(request: Request, state: State, rollout: Rollout) -> Re
     prep = await service.prepare(job)
     choice = service.run_choice(prep, 0)
     thinking_text = show_thinking(req)
-    stops = req.stop_sequences or []
     if not req.stream:
-        [result] = await _collect_all([choice])
-        reason, sequence = stop_reason(result, stops, state.tokenizer)
+        [result] = await collect_all([choice])
+        reason, sequence = stop_reason(result)
         body = {
             "id": prep.request_id,
             "type": "message",
@@ -390,22 +378,20 @@ async def create_message(request: Request, state: State, rollout: Rollout) -> Re
             "stop_sequence": sequence,
             "usage": _usage(prep, len(result.token_ids)),
         }
-        return JSONResponse(body, headers=_headers(prep))
-    _, events = await _prefetch(choice)
+        return JSONResponse(body, headers=call_headers(prep))
+    _, events = await prefetch(choice)
     return StreamingResponse(
-        _message_stream(state.tokenizer, prep, req.model, events, thinking_text, stops),
+        _message_stream(prep, req.model, events, thinking_text),
         media_type="text/event-stream",
-        headers={**SSE_HEADERS, **_headers(prep)},
+        headers={**SSE_HEADERS, **call_headers(prep)},
     )
 
 
 async def _message_stream(
-    tokenizer: PreTrainedTokenizerBase,
     prep: Prepared,
     model: str,
     events: AsyncIterator[ChoiceDelta | ChoiceResult],
     thinking_text: bool,
-    stops: list[str],
 ) -> AsyncIterator[bytes]:
     message: dict[str, Any] = {
         "id": prep.request_id,
@@ -428,7 +414,7 @@ async def _message_stream(
                 continue
             for chunk in blocks.close():
                 yield chunk
-            reason, sequence = stop_reason(ev, stops, tokenizer)
+            reason, sequence = stop_reason(ev)
             usage = {"input_tokens": len(prep.prompt_ids), "output_tokens": len(ev.token_ids)}
             yield _event(
                 "message_delta",
@@ -448,7 +434,7 @@ async def _message_stream(
 @router.post("/rollouts/{rollout_id}/v1/messages/count_tokens", dependencies=[ClientAuth])
 async def count_tokens(request: Request, state: State) -> dict[str, int]:
     """The prompt length the same conversation would have in a fresh ``/v1/messages`` call."""
-    raw = await _json_body(request)
+    raw = await json_body(request)
     req = CountTokensRequest.model_validate(raw)
     state.check_model(req.model)
     messages, tools = to_messages(req, final_assistant_ok=True), to_tools(req.tools)

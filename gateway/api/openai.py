@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.api.deps import ClientAuth, Rollout, State
+from gateway.api.streaming import SSE_HEADERS, call_headers, collect_all, json_body, merge, prefetch, sse
 from gateway.conversation import Message, ToolCall, ToolSpec
 from gateway.engines.base import SamplingParams
 from gateway.errors import APIError, BadRequest
@@ -26,8 +27,6 @@ from gateway.service import ChatJob, ChatService, ChoiceDelta, ChoiceResult, Pre
 from gateway.state import AppState
 
 router = APIRouter()
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 # --- translation in ------------------------------------------------------------------------------------------
@@ -131,79 +130,11 @@ def _usage(prep: Prepared, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def _headers(prep: Prepared) -> dict[str, str]:
-    return {"x-clawgate-call-id": ",".join(prep.call_ids), "x-clawgate-rollout-id": prep.rollout_id}
-
-
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-
-async def _merge(
-    iterators: list[AsyncIterator[ChoiceDelta | ChoiceResult]],
-) -> AsyncIterator[ChoiceDelta | ChoiceResult]:
-    """Interleave the n choices' streams as their tokens arrive."""
-    if len(iterators) == 1:
-        async for item in iterators[0]:
-            yield item
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-
-    async def pump(i: int, it: AsyncIterator[ChoiceDelta | ChoiceResult]) -> None:
-        try:
-            async for item in it:
-                await queue.put((i, item))
-            await queue.put((i, None))
-        except BaseException as exc:  # handed to the consumer, which re-raises it
-            await queue.put((i, exc))
-
-    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            _, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for it in iterators:
-            await it.aclose()  # type: ignore[attr-defined]
-
-
-async def _prefetch(
-    it: AsyncIterator[ChoiceDelta | ChoiceResult],
-) -> tuple[ChoiceDelta | ChoiceResult | None, AsyncIterator[ChoiceDelta | ChoiceResult]]:
-    """Pull the first event before answering, so an engine error that happens at once gets a real status code."""
-    try:
-        first = await anext(it)
-    except StopAsyncIteration:
-        return None, it
-    except BaseException:
-        await it.aclose()  # type: ignore[attr-defined]
-        raise
-
-    async def chained() -> AsyncIterator[ChoiceDelta | ChoiceResult]:
-        try:
-            yield first
-            async for item in it:
-                yield item
-        finally:
-            await it.aclose()  # type: ignore[attr-defined]
-
-    return first, chained()
-
-
 # --- chat completions ----------------------------------------------------------------------------------------
 @router.post("/v1/chat/completions", dependencies=[ClientAuth])
 @router.post("/rollouts/{rollout_id}/v1/chat/completions", dependencies=[ClientAuth])
 async def chat_completions(request: Request, state: State, rollout: Rollout) -> Response:
-    raw = await _json_body(request)
+    raw = await json_body(request)
     req = ChatCompletionRequest.model_validate(raw)
     state.check_model(req.model)
     tools = [ToolSpec(t.function.name, t.function.description, t.function.parameters) for t in req.tools or []]
@@ -225,7 +156,7 @@ async def chat_completions(request: Request, state: State, rollout: Rollout) -> 
     created = int(time.time())
     iterators = [service.run_choice(prep, i) for i in range(req.n)]
     if not req.stream:
-        results = await _collect_all(iterators)
+        results = await collect_all(iterators)
         choices = []
         for r in results:
             message: dict[str, Any] = {"role": "assistant", "content": r.output.content}
@@ -250,31 +181,14 @@ async def chat_completions(request: Request, state: State, rollout: Rollout) -> 
             "choices": choices,
             "usage": _usage(prep, sum(len(r.token_ids) for r in results)),
         }
-        return JSONResponse(body, headers=_headers(prep))
-    _, merged = await _prefetch(_merge(iterators))
+        return JSONResponse(body, headers=call_headers(prep))
+    _, merged = await prefetch(merge(iterators))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return StreamingResponse(
         _chat_stream(state, prep, req, merged, created, include_usage),
         media_type="text/event-stream",
-        headers={**SSE_HEADERS, **_headers(prep)},
+        headers={**SSE_HEADERS, **call_headers(prep)},
     )
-
-
-async def _collect_all(iterators: list[AsyncIterator[ChoiceDelta | ChoiceResult]]) -> list[ChoiceResult]:
-    async def one(it: AsyncIterator[ChoiceDelta | ChoiceResult]) -> ChoiceResult:
-        result: ChoiceResult | None = None
-        try:
-            async for item in it:
-                if isinstance(item, ChoiceResult):
-                    result = item
-        finally:
-            await it.aclose()  # type: ignore[attr-defined]
-        assert result is not None
-        return result
-
-    if len(iterators) == 1:
-        return [await one(iterators[0])]
-    return list(await asyncio.gather(*(one(it) for it in iterators)))
 
 
 async def _chat_stream(
@@ -289,7 +203,7 @@ async def _chat_stream(
     if include_usage:
         base["usage"] = None
     for i in range(req.n):
-        yield _sse(
+        yield sse(
             {
                 **base,
                 "choices": [
@@ -308,7 +222,7 @@ async def _chat_stream(
         async for ev in events:
             if isinstance(ev, ChoiceResult):
                 completion_tokens += len(ev.token_ids)
-                yield _sse(
+                yield sse(
                     {
                         **base,
                         "choices": [
@@ -333,18 +247,18 @@ async def _chat_stream(
             if req.logprobs and ev.token_ids:
                 logprobs = {"content": _token_logprobs(state, ev.token_ids, ev.logprobs, ev.top_logprobs)}
             if delta or logprobs:
-                yield _sse(
+                yield sse(
                     {
                         **base,
                         "choices": [{"index": ev.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}],
                     }
                 )
         if include_usage:
-            yield _sse({**base, "choices": [], "usage": _usage(prep, completion_tokens)})
+            yield sse({**base, "choices": [], "usage": _usage(prep, completion_tokens)})
     except APIError as exc:
-        yield _sse(exc.to_dict())
+        yield sse(exc.to_dict())
     except Exception as exc:  # never let a broken stream end without telling the client why
-        yield _sse(APIError(f"internal error: {exc}").to_dict())
+        yield sse(APIError(f"internal error: {exc}").to_dict())
     yield b"data: [DONE]\n\n"
 
 
@@ -365,7 +279,7 @@ def _tool_call_delta(prep: Prepared, choice: int, tc: ToolCallDelta, ids: dict[t
 @router.post("/v1/completions", dependencies=[ClientAuth])
 @router.post("/rollouts/{rollout_id}/v1/completions", dependencies=[ClientAuth])
 async def completions(request: Request, state: State, rollout: Rollout) -> Response:
-    raw = await _json_body(request)
+    raw = await json_body(request)
     req = CompletionRequest.model_validate(raw)
     state.check_model(req.model)
     if req.stream and len(req.prompts()) > 1:
@@ -407,16 +321,16 @@ async def completions(request: Request, state: State, rollout: Rollout) -> Respo
     if req.stream:
         prep = preps[0]
         iterators = [service.run_choice(prep, i) for i in range(req.n)]
-        _, merged = await _prefetch(_merge(iterators))
+        _, merged = await prefetch(merge(iterators))
         return StreamingResponse(
             _completion_stream(state, prep, req, merged, created, echoes[0] if echoes else ""),
             media_type="text/event-stream",
-            headers={**SSE_HEADERS, **_headers(prep)},
+            headers={**SSE_HEADERS, **call_headers(prep)},
         )
     choices: list[dict[str, Any]] = []
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
     for pi, prep in enumerate(preps):
-        results = await _collect_all([service.run_choice(prep, i) for i in range(req.n)])
+        results = await collect_all([service.run_choice(prep, i) for i in range(req.n)])
         for r in results:
             choice: dict[str, Any] = {
                 "index": pi * req.n + r.index,
@@ -474,13 +388,13 @@ async def _completion_stream(
     base = {"id": prep.request_id, "object": "text_completion", "created": created, "model": req.model}
     if echo:
         for i in range(req.n):
-            yield _sse({**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]})
+            yield sse({**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]})
     completion_tokens = 0
     try:
         async for ev in events:
             if isinstance(ev, ChoiceResult):
                 completion_tokens += len(ev.token_ids)
-                yield _sse(
+                yield sse(
                     {
                         **base,
                         "choices": [
@@ -506,13 +420,13 @@ async def _completion_stream(
                 choice["logprobs"] = _completion_logprobs(state, ev.token_ids, ev.logprobs, ev.top_logprobs)
             if req.return_token_ids:
                 choice["token_ids"] = ev.token_ids
-            yield _sse({**base, "choices": [choice]})
+            yield sse({**base, "choices": [choice]})
         if req.stream_options and req.stream_options.include_usage:
-            yield _sse({**base, "choices": [], "usage": _usage(prep, completion_tokens)})
+            yield sse({**base, "choices": [], "usage": _usage(prep, completion_tokens)})
     except APIError as exc:
-        yield _sse(exc.to_dict())
+        yield sse(exc.to_dict())
     except Exception as exc:
-        yield _sse(APIError(f"internal error: {exc}").to_dict())
+        yield sse(APIError(f"internal error: {exc}").to_dict())
     yield b"data: [DONE]\n\n"
 
 
@@ -538,17 +452,6 @@ async def list_models(state: State) -> dict[str, Any]:
 async def get_model(model_id: str, state: State) -> dict[str, Any]:
     state.check_model(model_id)
     return {"id": model_id, "object": "model", "created": int(state.started_at), "owned_by": "clawgate"}
-
-
-async def _json_body(request: Request) -> dict[str, Any]:
-    body = await request.body()
-    try:
-        value = json.loads(body)
-    except ValueError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise BadRequest("request body must be a JSON object")
-    return value
 
 
 __all__ = ["ChatService", "router"]

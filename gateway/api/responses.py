@@ -29,7 +29,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.api.deps import ClientAuth, Rollout, State
-from gateway.api.openai import SSE_HEADERS, _headers, _json_body, _prefetch
+from gateway.api.streaming import SSE_HEADERS, call_headers, json_body, prefetch
 from gateway.conversation import Message, ToolCall, ToolSpec
 from gateway.engines.base import SamplingParams
 from gateway.errors import APIError, BadRequest, RateLimited
@@ -394,7 +394,7 @@ class _EventStream:
 @router.post("/v1/responses", dependencies=[ClientAuth])
 @router.post("/rollouts/{rollout_id}/v1/responses", dependencies=[ClientAuth])
 async def create_response(request: Request, state: State, rollout: Rollout) -> Response:
-    raw = await _json_body(request)
+    raw = await json_body(request)
     req = ResponsesRequest.model_validate(raw)
     state.check_model(req.model)
     store = response_store(request.app)
@@ -426,12 +426,12 @@ async def create_response(request: Request, state: State, rollout: Rollout) -> R
     answer = _Answer()
     events = state.service.run_choice(prep, 0)
     if req.stream:
-        _, events = await _prefetch(events)
+        _, events = await prefetch(events)
         stream = _EventStream(req, response_id, created_at, answer)
         return StreamingResponse(
             _stream(stream, prep, events, store, conversation),
             media_type="text/event-stream",
-            headers={**SSE_HEADERS, **_headers(prep)},
+            headers={**SSE_HEADERS, **call_headers(prep)},
         )
     result: ChoiceResult | None = None
     try:
@@ -454,7 +454,7 @@ async def create_response(request: Request, state: State, rollout: Rollout) -> R
         usage=usage(len(prep.prompt_ids), len(result.token_ids), answer.reasoning_tokens),
         incomplete_reason=reason,
     )
-    return JSONResponse(body, headers=_headers(prep))
+    return JSONResponse(body, headers=call_headers(prep))
 
 
 async def _stream(
