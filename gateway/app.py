@@ -29,6 +29,7 @@ from gateway.engines.base import Engine
 from gateway.errors import APIError, BadRequest
 from gateway.metrics import Metrics
 from gateway.render import Renderer
+from gateway.response_store import ResponseStore
 from gateway.service import ChatService
 from gateway.sessions import SessionIndex
 from gateway.settings import Settings
@@ -157,6 +158,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
             accept_any_model="*" in settings.model_aliases,
             started_at=time.time(),
             db=store,
+            responses=ResponseStore(max_responses=settings.responses_store_size),
         )
         log.info(
             "clawgate %s serving %s (engine %s, context %d tokens)",

@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     capture_flush_interval: float = Field(default=0.02, gt=0)
     capture_max_queue: int = Field(default=100_000, ge=1)
 
+    # Responses API: how many stored responses are kept in memory for `previous_response_id`.
+    responses_store_size: int = Field(default=2048, ge=0)
+
     # Implicit sessions (and harness sessions) count as finished after this many idle seconds.
     session_idle_timeout: float = Field(default=1800.0, gt=0)
 

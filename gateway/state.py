@@ -11,6 +11,7 @@ from gateway.engines.base import Engine
 from gateway.errors import NotFound
 from gateway.metrics import Metrics
 from gateway.render import Renderer
+from gateway.response_store import ResponseStore
 from gateway.service import ChatService
 from gateway.sessions import SessionIndex
 from gateway.settings import Settings
@@ -34,6 +35,7 @@ class AppState:
     accept_any_model: bool
     started_at: float
     db: sa.Engine
+    responses: ResponseStore  # conversations of stored responses, for previous_response_id
     # rollout id -> sha256 of its per-rollout key (None: the rollout has no key), filled on first use
     rollout_keys: dict[str, str | None] = field(default_factory=dict)
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.api.deps import ClientAuth, Rollout, State
@@ -170,15 +170,6 @@ def sampling(req: ResponsesRequest) -> SamplingParams:
         top_p=1.0 if req.top_p is None else req.top_p,
         seed=req.seed,
     )
-
-
-def response_store(app: FastAPI) -> ResponseStore:
-    """The app's store of responses for ``previous_response_id``, created on first use."""
-    store: ResponseStore | None = getattr(app.state, "responses_store", None)
-    if store is None:
-        store = ResponseStore()
-        app.state.responses_store = store
-    return store
 
 
 def _history(store: ResponseStore, response_id: str) -> list[Message]:
@@ -397,7 +388,7 @@ async def create_response(request: Request, state: State, rollout: Rollout) -> R
     raw = await json_body(request)
     req = ResponsesRequest.model_validate(raw)
     state.check_model(req.model)
-    store = response_store(request.app)
+    store = state.responses
     conversation = _history(store, req.previous_response_id) if req.previous_response_id else []
     if isinstance(req.input, str):
         conversation.append(Message(role="user", content=req.input))
