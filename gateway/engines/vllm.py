@@ -201,18 +201,21 @@ class VLLMEngine:
                     if usage:
                         prompt_tokens = int(usage.get("prompt_tokens", prompt_tokens))
                         timings = _timings(chunk.get("metrics"))
-        except httpx.TimeoutException as exc:
-            if isinstance(exc, httpx.ConnectTimeout):
-                raise EngineUnavailable(f"vLLM at {self.base_url} did not accept a connection") from exc
-            raise EngineTimeout(f"vLLM at {self.base_url} timed out: {type(exc).__name__}") from exc
         except httpx.TransportError as exc:
-            raise EngineUnavailable(f"vLLM at {self.base_url} is unreachable: {exc!r}") from exc
+            raise self._transport_error(exc) from exc
         if finish is None:
             raise EngineError("vLLM ended the stream without a finish reason")
         if finish == "stop" and stop_reason is None:
             # The primary EOS id: vLLM reports no stop_reason for it, but it is the last id it sent.
             stop_reason = last_token
         yield GenerationEnd(finish_reason=finish, stop_reason=stop_reason, prompt_tokens=prompt_tokens, timings=timings)
+
+    def _transport_error(self, exc: httpx.TransportError) -> APIError:
+        if isinstance(exc, httpx.ConnectTimeout):
+            return EngineUnavailable(f"vLLM at {self.base_url} did not accept a connection")
+        if isinstance(exc, httpx.TimeoutException):
+            return EngineTimeout(f"vLLM at {self.base_url} timed out: {type(exc).__name__}")
+        return EngineUnavailable(f"vLLM at {self.base_url} is unreachable: {exc!r}")
 
     async def _generate_whole(self, request: GenerationRequest) -> AsyncGenerator[GenerationEvent, None]:
         """One unstreamed completion: the same events, in one piece."""
@@ -221,12 +224,8 @@ class VLLMEngine:
         del body["stream_options"]
         try:
             response = await self._http.post(f"{self.base_url}/v1/completions", json=body, headers=self._headers)
-        except httpx.TimeoutException as exc:
-            if isinstance(exc, httpx.ConnectTimeout):
-                raise EngineUnavailable(f"vLLM at {self.base_url} did not accept a connection") from exc
-            raise EngineTimeout(f"vLLM at {self.base_url} timed out: {type(exc).__name__}") from exc
         except httpx.TransportError as exc:
-            raise EngineUnavailable(f"vLLM at {self.base_url} is unreachable: {exc!r}") from exc
+            raise self._transport_error(exc) from exc
         if response.status_code >= 400:
             raise _error_from_response(response)
         try:
