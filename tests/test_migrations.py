@@ -14,7 +14,7 @@ from gateway.store import db
 from gateway.store.models import Base
 from tests import pg
 
-TABLES = {"rollouts", "calls", "rewards", "policy_versions"}
+TABLES = {"rollouts", "calls", "rewards", "policy_versions", "train_steps", "trained_rollouts"}
 
 
 def _schema_diff(url: str) -> list[object]:
@@ -124,3 +124,17 @@ def test_sqlite_engine_settings(tmp_path: Path) -> None:
             assert connection.exec_driver_sql("SELECT id FROM rollouts ORDER BY id").scalars().all() == ["a", "b"]
     finally:
         engine.dispose()
+
+
+def test_each_revision_steps_up_and_down(sqlite_url_bare: str) -> None:
+    """Every migration downgrades to exactly the schema of the revision before it."""
+    db.upgrade(sqlite_url_bare, "0001")
+    assert _tables(sqlite_url_bare) == {"rollouts", "calls", "rewards", "policy_versions", "alembic_version"}
+    db.upgrade(sqlite_url_bare)
+    db.downgrade(sqlite_url_bare, "0001")
+    assert "train_steps" not in _tables(sqlite_url_bare) and db.current_revision(sqlite_url_bare) == "0001"
+
+
+@pytest.fixture
+def sqlite_url_bare(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'steps.db'}"

@@ -174,3 +174,36 @@ class PolicyVersion(Base):
     step: Mapped[int | None] = mapped_column(sa.Integer)
     metrics: Mapped[dict[str, Any] | None] = mapped_column(JSONValue)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class TrainStep(Base):
+    """One optimization step of the trainer: what it consumed, what it produced, its metrics."""
+
+    __tablename__ = "train_steps"
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    version: Mapped[int | None] = mapped_column(sa.Integer)  # the policy version it published
+    base_version: Mapped[int | None] = mapped_column(sa.Integer)  # the version it started from
+    algorithm: Mapped[str] = mapped_column(sa.String)  # "grpo" | "ppo"
+    status: Mapped[str] = mapped_column(sa.String)  # "ok" | "failed"
+    n_rollouts: Mapped[int] = mapped_column(sa.Integer)
+    n_paths: Mapped[int] = mapped_column(sa.Integer)
+    tokens_processed: Mapped[int] = mapped_column(sa.Integer)
+    trainable_tokens: Mapped[int] = mapped_column(sa.Integer)
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSONValue)
+    error: Mapped[str | None] = mapped_column(sa.Text)
+    started_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    ended_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+
+
+class TrainedRollout(Base):
+    """A rollout consumed by a train step, once per epoch (the primary key makes double training impossible)."""
+
+    __tablename__ = "trained_rollouts"
+
+    rollout_id: Mapped[str] = mapped_column(sa.String(128), sa.ForeignKey("rollouts.id"), primary_key=True)
+    epoch: Mapped[int] = mapped_column(sa.Integer, primary_key=True)
+    step_id: Mapped[int] = mapped_column(sa.Integer, sa.ForeignKey("train_steps.id"), index=True)
+    version: Mapped[int] = mapped_column(sa.Integer)
+    advantage: Mapped[float | None] = mapped_column(sa.Float)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
