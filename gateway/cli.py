@@ -5,6 +5,7 @@
     clawgate db upgrade   bring the database schema to the newest migration (also: downgrade, current)
     clawgate tree ID      print a rollout's reconstructed prefix tree
     clawgate export       rollouts with calls, rewards and trees as JSONL
+    clawgate train --once one GRPO step over ready rollouts; writes adapters/policy@vN
     clawgate tiny-model   build the small local test model
 
 Every flag has a ``CLAWGATE_*`` environment variable; a flag given on the command line wins.
@@ -195,6 +196,47 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    if not args.once:
+        print("error: only one-shot training is available: pass --once (with --steps N for several)", file=sys.stderr)
+        return 2
+    from gateway.store import db
+    from trainer.step import TrainConfig, Trainer, describe
+
+    overrides: dict[str, Any] = {}
+    for name in ("model", "database_url", "adapter_dir", "log_level"):
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides[name] = value
+    settings = Settings(**overrides)
+    _setup_logging(settings.log_level)
+    config = TrainConfig(
+        model=settings.model,
+        database_url=settings.database_url,
+        adapter_dir=Path(settings.adapter_dir),
+        lr=args.lr,
+        temperature=args.temperature,
+        max_rollouts=args.max_rollouts,
+        min_rollouts=args.min_rollouts,
+        seed=args.seed,
+    )
+    engine = db.make_engine(settings.database_url)
+    try:
+        trainer = Trainer(config, engine)
+        print(f"policy@v{trainer.version} loaded from {config.adapter_dir}", file=sys.stderr)
+        done = 0
+        for i in range(args.steps):
+            result = trainer.step()
+            if result is None:
+                print(f"[{i + 1}/{args.steps}] no ready rollouts (need {config.min_rollouts})", file=sys.stderr)
+                break
+            done += 1
+            print(f"[{i + 1}/{args.steps}] {describe(result)}", flush=True)
+    finally:
+        engine.dispose()
+    return 0 if done or args.allow_empty else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clawgate", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -229,6 +271,21 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
     _tree_flags(export)
     export.set_defaults(func=cmd_export)
+
+    train = sub.add_parser("train", help="train the LoRA policy on ready rollouts (GRPO)")
+    train.add_argument("--once", action="store_true", help="run --steps steps and exit")
+    train.add_argument("--steps", type=int, default=1)
+    train.add_argument("--model", help="base model (CLAWGATE_MODEL)")
+    train.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
+    train.add_argument("--adapter-dir", help="where policy@vN versions go (CLAWGATE_ADAPTER_DIR)")
+    train.add_argument("--lr", type=float, default=1e-5)
+    train.add_argument("--temperature", type=float, default=1.0, help="temperature the rollouts were sampled at")
+    train.add_argument("--max-rollouts", type=int, default=256, help="rollouts per step at most")
+    train.add_argument("--min-rollouts", type=int, default=1, help="do nothing with fewer ready rollouts")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--allow-empty", action="store_true", help="exit 0 when nothing was ready")
+    train.add_argument("--log-level", help="(CLAWGATE_LOG_LEVEL)")
+    train.set_defaults(func=cmd_train)
 
     tiny = sub.add_parser("tiny-model", help="build the small local model used by tests and the demo")
     tiny.add_argument("dir")

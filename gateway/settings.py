@@ -49,6 +49,9 @@ class Settings(BaseSettings):
     # Server-side generation cap: a request asking for more gets at most this many tokens.
     max_tokens: int = Field(default=4096, ge=1)
 
+    # Training: where policy versions (policy@vN) are written.
+    adapter_dir: Path = Path("adapters")
+
     # Store
     database_url: str = "sqlite:///./clawgate.db"
     data_dir: Path = DEFAULT_DATA_DIR
