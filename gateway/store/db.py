@@ -78,7 +78,10 @@ def _configure_sqlite(engine: sa.Engine, busy_timeout_ms: int) -> None:
             cursor.close()
 
     def on_begin(connection: sa.Connection) -> None:
-        connection.exec_driver_sql("BEGIN")
+        # IMMEDIATE: take the write lock up front. A deferred transaction that reads and then writes while another
+        # connection writes gets SQLITE_BUSY at once (the busy timeout cannot help a lock upgrade), which failed
+        # concurrent reward/finish requests beside the capture writer.
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
 
     sa.event.listen(engine, "connect", on_connect)
     sa.event.listen(engine, "begin", on_begin)
