@@ -7,7 +7,7 @@ completions endpoint (in-process transformers engine), scored from the token ids
 finished over HTTP; then one ``Trainer`` step runs on what the store holds and the new policy version is loaded
 into the engine for the next step's samples. A learning-rate-0 control runs the same loop: its reward must not rise.
 
-    .venv/bin/python bench/learning_check.py [--steps 20] [--seeds 0 1 2] [--lr 3e-3]
+    .venv/bin/python bench/learning_check.py [--steps 20] [--seeds 0 1 2] [--lr 5e-3]
 
 Prints the mean reward per step for each run, and the wall time.
 """
@@ -81,13 +81,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def one_rollout(client: httpx.Client, prompt: str, task: str, targets: set[int], max_tokens: int) -> float:
+def one_rollout(
+    client: httpx.Client, prompt: str, task: str, targets: set[int], max_tokens: int, seed: int
+) -> float:
     admin = {"Authorization": f"Bearer {ADMIN}"}
     ro = client.post("/v1/rollouts", json={"task_id": task, "harness": "bench"}, headers=admin).json()
     key = {"Authorization": f"Bearer {ro['api_key']}"}
     r = client.post(f"/rollouts/{ro['id']}/v1/chat/completions", headers=key, json={
         "model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-        "temperature": 1.0})
+        "temperature": 1.0, "seed": seed})
     r.raise_for_status()
     calls = client.get(f"/v1/rollouts/{ro['id']}", headers=key).json()["calls"]
     ids = calls[0]["completion_token_ids"]
@@ -120,8 +122,10 @@ def run(model: Path, *, steps: int, lr: float, seed: int, prompts: int, group: i
         with httpx.Client(base_url=gw.url, timeout=120) as client, \
                 concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
             for step in range(steps):
-                jobs = [pool.submit(one_rollout, client, texts[p], f"p{p}", targets, max_tokens)
-                        for p in range(prompts) for _ in range(group)]
+                # Seeded samples: the same policy gives the same rollouts, so a run is repeatable.
+                jobs = [pool.submit(one_rollout, client, texts[p], f"p{p}", targets, max_tokens,
+                                    seed * 1_000_003 + step * 10_007 + p * group + g)
+                        for p in range(prompts) for g in range(group)]
                 rewards = [j.result() for j in jobs]
                 curve.append(sum(rewards) / len(rewards))
                 result = trainer.step()
@@ -141,7 +145,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=24)
