@@ -51,7 +51,7 @@ def test_grpo_raises_reward_through_the_gateway(seed, tiny_model_dir, tmp_path):
 def test_learning_rate_zero_control_stays_flat(tiny_model_dir, tmp_path):
     curve = learning_check.run(
         tiny_model_dir,
-        steps=STEPS,
+        steps=8,  # flat is flat: fewer steps say as much
         lr=0.0,
         seed=0,
         prompts=8,
