@@ -152,6 +152,27 @@ def shared_gateway(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Pat
     stop_gateway(gw)
 
 
+@pytest.fixture(scope="module")
+def any_model_gateway(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[LiveGateway]:
+    """The real tiny model accepting any model name (harnesses send their own), with a small generation cap
+    (harness prompts are long)."""
+    tmp = tmp_path_factory.mktemp("gw-any")
+    url = f"sqlite:///{tmp / 'clawgate.db'}"
+    db.upgrade(url)
+    settings = Settings(
+        model=str(tiny_model_dir),
+        served_model_name="tiny",
+        model_aliases=["*"],
+        database_url=url,
+        port=free_port(),
+        data_dir=tmp / "data",
+        max_tokens=8,
+    )
+    gw = start_gateway(settings)
+    yield gw
+    stop_gateway(gw)
+
+
 @pytest.fixture(scope="session")
 def postgres_server_url() -> Iterator[str]:
     """A PostgreSQL server: CLAWGATE_TEST_POSTGRES_URL, else 127.0.0.1:5432, else a throw-away cluster."""

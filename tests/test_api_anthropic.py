@@ -6,7 +6,6 @@ Claude Code and OpenClaw request bodies."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +17,9 @@ import sqlalchemy as sa
 from gateway.api.anthropic import to_messages
 from gateway.conversation import Message, ToolCall, normalized
 from gateway.protocol.anthropic import MessagesRequest
-from gateway.settings import Settings
-from gateway.store import codec, db
+from gateway.store import codec
 from gateway.store.db import make_engine
-from tests.conftest import LiveGateway, free_port, start_gateway, stop_gateway
+from tests.conftest import LiveGateway
 from tests.fakes import ScriptedEngine
 from tests.test_tito import assert_chain, drift_count, stored_calls
 
@@ -594,26 +592,6 @@ HARNESS_FIXTURES = [
     "claude-code/03-subagent-request-messages.json",
     "openclaw/03-anthropic-messages-after-tool-result.json",
 ]
-
-
-@pytest.fixture(scope="module")
-def any_model_gateway(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[LiveGateway]:
-    """The real tiny model accepting any model name (harnesses send their own), with a small generation cap."""
-    tmp = tmp_path_factory.mktemp("gw-any")
-    url = f"sqlite:///{tmp / 'clawgate.db'}"
-    db.upgrade(url)
-    settings = Settings(
-        model=str(tiny_model_dir),
-        served_model_name="tiny",
-        model_aliases=["*"],
-        database_url=url,
-        port=free_port(),
-        data_dir=tmp / "data",
-        max_tokens=8,
-    )
-    gw = start_gateway(settings)
-    yield gw
-    stop_gateway(gw)
 
 
 @pytest.mark.parametrize("name", HARNESS_FIXTURES)
