@@ -171,13 +171,15 @@ class Trainer:
     def _optimize(self, trained: list[RolloutData], advantages: dict[str, float]) -> dict[str, float]:
         cfg = self.config
         trees = [d.tree for d in trained]
-        adv = torch.tensor([advantages[d.rollout.id] for d in trained], dtype=torch.float32)
+        device = next(self.policy.parameters()).device
+        adv = torch.tensor([advantages[d.rollout.id] for d in trained], dtype=torch.float32, device=device)
         batches = pack_trees(trees, cfg.strategy, cfg.max_tokens_per_bin)  # type: ignore[arg-type]
         total = float(sum(float(b.weights[b.trainable].sum()) for b in batches)) or 1.0
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         processed = 0
         for b in batches:
+            b = b.to(device)
             logp = sequence_logprobs(self.policy, b, temperature=cfg.temperature)
             loss, m = policy_loss(
                 logp,
