@@ -136,37 +136,27 @@ def gateway_factory(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def shared_gateway(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[LiveGateway]:
     """One local-engine gateway for a whole test module (the model loads once)."""
-    tmp = tmp_path_factory.mktemp("gw")
-    url = f"sqlite:///{tmp / 'clawgate.db'}"
-    db.upgrade(url)
-    settings = Settings(
-        model=str(tiny_model_dir),
-        served_model_name="tiny",
-        database_url=url,
-        port=free_port(),
-        data_dir=tmp / "data",
-        max_tokens=48,
-    )
-    gw = start_gateway(settings)
-    yield gw
-    stop_gateway(gw)
+    yield from module_gateway(tmp_path_factory.mktemp("gw"), tiny_model_dir, max_tokens=48)
 
 
 @pytest.fixture(scope="module")
 def any_model_gateway(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[LiveGateway]:
     """The real tiny model accepting any model name (harnesses send their own), with a small generation cap
     (harness prompts are long)."""
-    tmp = tmp_path_factory.mktemp("gw-any")
+    yield from module_gateway(tmp_path_factory.mktemp("gw-any"), tiny_model_dir, model_aliases=["*"], max_tokens=8)
+
+
+def module_gateway(tmp: Path, model_dir: Path, **overrides: Any) -> Iterator[LiveGateway]:
+    """A local-engine gateway on a fresh SQLite file in ``tmp``, stopped when the generator closes."""
     url = f"sqlite:///{tmp / 'clawgate.db'}"
     db.upgrade(url)
     settings = Settings(
-        model=str(tiny_model_dir),
+        model=str(model_dir),
         served_model_name="tiny",
-        model_aliases=["*"],
         database_url=url,
         port=free_port(),
         data_dir=tmp / "data",
-        max_tokens=8,
+        **overrides,
     )
     gw = start_gateway(settings)
     yield gw

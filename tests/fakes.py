@@ -56,3 +56,12 @@ class ScriptedEngine:
 
     async def health(self) -> bool:
         return True
+
+
+class SlowEngine(ScriptedEngine):
+    """Scripted tokens at 20 per second: long enough for a client to hang up mid-stream."""
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        async for ev in super().generate(request):
+            await asyncio.sleep(0.05)
+            yield ev

@@ -23,7 +23,7 @@ from gateway.conversation import Message, ToolCall, normalized
 from gateway.protocol.responses import ResponsesRequest, decode_reasoning, encode_reasoning
 from gateway.store import codec
 from gateway.store.db import make_engine
-from tests.fakes import ScriptedEngine
+from tests.fakes import ScriptedEngine, SlowEngine
 from tests.test_tito import assert_chain, drift_count, stored_calls
 
 FIXTURES = Path(__file__).parent / "fixtures" / "harness-requests"
@@ -582,12 +582,6 @@ def test_error_before_first_token_gets_a_status_code(scripted):
 
 
 async def test_client_disconnect_mid_stream_is_recorded_cancelled(gateway_factory, tiny_tokenizer):
-    class SlowEngine(ScriptedEngine):
-        async def generate(self, request):
-            async for ev in super().generate(request):
-                await asyncio.sleep(0.05)
-                yield ev
-
     engine = SlowEngine(tiny_tokenizer)
     gw = gateway_factory(engine=engine, tokenizer=tiny_tokenizer)
     engine.push(" ".join(["word"] * 60))

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from gateway.errors import EngineUnavailable
 from gateway.store.db import make_engine
-from tests.fakes import ScriptedEngine
+from tests.fakes import ScriptedEngine, SlowEngine
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -71,12 +71,6 @@ def test_engine_unavailable_is_503_and_recorded(gateway_factory, tiny_tokenizer)
 
 
 async def test_client_disconnect_mid_stream_is_recorded_cancelled(gateway_factory, tiny_tokenizer):
-    class SlowEngine(ScriptedEngine):
-        async def generate(self, request):
-            async for ev in super().generate(request):
-                await asyncio.sleep(0.05)
-                yield ev
-
     engine = SlowEngine(tiny_tokenizer)
     gw = gateway_factory(engine=engine, tokenizer=tiny_tokenizer)
     engine.push(" ".join(["word"] * 60))
