@@ -28,6 +28,7 @@ from gateway.api import system as system_api
 from gateway.engines.base import Engine
 from gateway.errors import APIError, BadRequest
 from gateway.metrics import Metrics
+from gateway.policy import PolicyFollower
 from gateway.render import Renderer
 from gateway.response_store import ResponseStore
 from gateway.service import ChatService
@@ -167,13 +168,23 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
             eng.name,
             eng.max_model_len,
         )
-        closer = asyncio.create_task(close_idle_sessions(store, writer, service, settings.session_idle_timeout))
+        tasks = [asyncio.create_task(close_idle_sessions(store, writer, service, settings.session_idle_timeout))]
+        if settings.policy_follow:
+            follower = PolicyFollower(settings, eng, service, store, metrics, probe_ids=tok.encode("Hello"))
+            app.state.clawgate.policy = follower
+            try:  # serve the newest published version from the first call on
+                await follower.sync()
+            except Exception:
+                log.warning("could not load the newest policy version at start-up", exc_info=True)
+            tasks.append(asyncio.create_task(follower.run()))
         try:
             yield
         finally:
-            closer.cancel()
-            with suppress(asyncio.CancelledError):
-                await closer
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with suppress(asyncio.CancelledError):
+                    await task
             await eng.close()
             await writer.close(timeout=30.0)
             store.dispose()

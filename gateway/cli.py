@@ -5,7 +5,8 @@
     clawgate db upgrade   bring the database schema to the newest migration (also: downgrade, current)
     clawgate tree ID      print a rollout's reconstructed prefix tree
     clawgate export       rollouts with calls, rewards and trees as JSONL
-    clawgate train --once one GRPO step over ready rollouts; writes adapters/policy@vN
+    clawgate train        the trainer daemon: GRPO/PPO steps as rollouts become ready; publishes policy@vN
+    clawgate rollout      run a task set through agent harnesses in sandboxes, verify, post rewards
     clawgate tiny-model   build the small local test model
 
 Every flag has a ``CLAWGATE_*`` environment variable; a flag given on the command line wins.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -49,6 +51,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         "port",
         "max_tokens",
         "log_level",
+        "adapter_dir",
+        *TRAIN_FLAGS,
     ):
         value = getattr(args, name, None)
         if value is not None:
@@ -58,34 +62,96 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: one line per engine call would drown everything else.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    _setup_logging(settings.log_level)
+    return _serve(settings)
+
+
+def _serve(settings: Settings) -> int:
     import uvicorn
 
     from gateway.app import build_app
 
-    settings = _settings(args)
-    _setup_logging(settings.log_level)
     app = build_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(), access_log=False)
     return 0
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    """Embedded mode: migrate, build the tiny model if needed, start the trainer (a supervised child process,
+    so training never holds the serving process's GIL) and a managed vLLM server when asked, then serve."""
     from gateway.store import db
+    from gateway.supervise import TrainerProcess
 
     settings = _settings(args)
     _setup_logging(settings.log_level)
     model_dir = Path(settings.model)
-    if settings.engine == "local" and not model_dir.exists():
-        if model_dir.resolve() != (DEFAULT_DATA_DIR / "tiny-model").resolve():
-            print(f"error: model folder {model_dir} does not exist", file=sys.stderr)
-            return 2
+    if not model_dir.exists() and model_dir.resolve() == (DEFAULT_DATA_DIR / "tiny-model").resolve():
         _build_tiny(model_dir)
+    elif settings.engine == "local" and not model_dir.exists() and settings.model.startswith((".", "/", "~")):
+        print(f"error: model folder {model_dir} does not exist", file=sys.stderr)
+        return 2
     print(f"migrating {settings.database_url} ...", file=sys.stderr)
     db.upgrade(settings.database_url)
-    return cmd_serve(args)
+    vllm = None
+    if settings.engine == "vllm" and "vllm_url" not in settings.model_fields_set:
+        vllm = _start_vllm(settings)
+        if vllm is None:
+            return 2
+        settings = settings.model_copy(update={"vllm_url": vllm.url})
+    trainer = None if args.no_train else TrainerProcess(settings)
+    # uvicorn re-raises the SIGTERM it handled once it has shut down; ending with SystemExit instead lets the
+    # `finally` below stop the trainer and vLLM (a bare re-raised SIGTERM would orphan them).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        if trainer is not None:
+            trainer.start()
+        return _serve(settings)
+    finally:
+        if trainer is not None:
+            trainer.stop()
+        if vllm is not None:
+            vllm.stop()
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _start_vllm(settings: Settings) -> Any:
+    from gateway.engines.vllm_server import VLLMServer, VLLMServerError, find_vllm_python
+
+    python = find_vllm_python(settings.vllm_python)
+    if python is None:
+        print(
+            "error: --engine vllm without --vllm-url starts a vLLM server, but none is installed: run "
+            "`./dev setup-vllm` (CPU) or `pip install 'clawgate[vllm]'` (GPU), set CLAWGATE_VLLM_PYTHON to the "
+            "interpreter of a vLLM install, or pass --vllm-url of a running server",
+            file=sys.stderr,
+        )
+        return None
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    server = VLLMServer(
+        python,
+        settings.model,
+        served_model_name=settings.vllm_model or settings.model,
+        max_lora_rank=max(settings.train_lora_rank, 8),
+        max_loras=settings.policy_keep_loaded + 1,
+        log_path=settings.data_dir / "vllm.log",
+    )
+    print(f"starting vLLM ({' '.join(server.command()[1:4])} ...), log in {server.log_path}", file=sys.stderr)
+    try:
+        server.start(timeout=900)
+    except VLLMServerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+    print(f"vLLM ready on {server.url} after {server.startup_seconds:.0f}s", file=sys.stderr)
+    return server
 
 
 def cmd_db(args: argparse.Namespace) -> int:
@@ -196,45 +262,156 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    if not args.once:
-        print("error: only one-shot training is available: pass --once (with --steps N for several)", file=sys.stderr)
-        return 2
-    from gateway.store import db
-    from trainer.step import TrainConfig, Trainer, describe
+TRAIN_FLAGS = (
+    "train_algorithm",
+    "train_lr",
+    "train_min_rollouts",
+    "train_min_groups",
+    "train_interval",
+    "train_max_rollouts",
+    "train_max_staleness",
+    "train_group_wait",
+    "train_temperature",
+    "train_device",
+    "train_dtype",
+    "train_gradient_checkpointing",
+    "train_lora_rank",
+    "train_lora_alpha",
+    "train_seed",
+)
 
+
+def _train_flags(p: argparse.ArgumentParser) -> None:
+    """Trainer flags, shared by `train` and `up`; each defaults to its CLAWGATE_TRAIN_* setting."""
+    g = p.add_argument_group("training")
+    g.add_argument("--adapter-dir", help="where policy@vN versions go (CLAWGATE_ADAPTER_DIR)")
+    g.add_argument("--algorithm", dest="train_algorithm", choices=["grpo", "ppo"], help="(CLAWGATE_TRAIN_ALGORITHM)")
+    g.add_argument("--lr", dest="train_lr", type=float, help="learning rate (CLAWGATE_TRAIN_LR, default 1e-5)")
+    g.add_argument(
+        "--min-rollouts", dest="train_min_rollouts", type=int, help="ready rollouts a step waits for (default 8)"
+    )
+    g.add_argument(
+        "--min-groups", dest="train_min_groups", type=int, help="groups of 2+ ready rollouts a step waits for"
+    )
+    g.add_argument("--interval", dest="train_interval", type=float, help="seconds between looks when idle")
+    g.add_argument("--max-rollouts", dest="train_max_rollouts", type=int, help="rollouts per step at most")
+    g.add_argument(
+        "--max-staleness", dest="train_max_staleness", type=int, help="skip rollouts served this many versions back"
+    )
+    g.add_argument(
+        "--group-wait", dest="train_group_wait", type=float, help="seconds a lone rollout waits for its group"
+    )
+    g.add_argument("--temperature", dest="train_temperature", type=float, help="temperature rollouts were sampled at")
+    g.add_argument("--device", dest="train_device", help="auto, cpu, cuda, cuda:1 ... (CLAWGATE_TRAIN_DEVICE)")
+    g.add_argument("--dtype", dest="train_dtype", choices=["float32", "bfloat16"], help="(CLAWGATE_TRAIN_DTYPE)")
+    g.add_argument(
+        "--gradient-checkpointing",
+        dest="train_gradient_checkpointing",
+        action="store_true",
+        default=None,
+        help="recompute activations in the backward pass (less memory)",
+    )
+    g.add_argument("--lora-rank", dest="train_lora_rank", type=int, help="(CLAWGATE_TRAIN_LORA_RANK)")
+    g.add_argument("--lora-alpha", dest="train_lora_alpha", type=int, help="(CLAWGATE_TRAIN_LORA_ALPHA)")
+    g.add_argument("--seed", dest="train_seed", type=int, help="(CLAWGATE_TRAIN_SEED)")
+
+
+def _train_settings(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {}
-    for name in ("model", "database_url", "adapter_dir", "log_level"):
+    for name in ("model", "database_url", "adapter_dir", "log_level", *TRAIN_FLAGS):
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
-    settings = Settings(**overrides)
-    _setup_logging(settings.log_level)
+    return Settings(**overrides)
+
+
+def train_config(settings: Settings, *, once: bool = False) -> Any:
+    from trainer import lora
+    from trainer.step import TrainConfig
+
     config = TrainConfig(
         model=settings.model,
         database_url=settings.database_url,
         adapter_dir=Path(settings.adapter_dir),
-        lr=args.lr,
-        temperature=args.temperature,
-        max_rollouts=args.max_rollouts,
-        min_rollouts=args.min_rollouts,
-        seed=args.seed,
+        lr=settings.train_lr,
+        lora=lora.LoraSettings(rank=settings.train_lora_rank, alpha=settings.train_lora_alpha),
+        temperature=settings.train_temperature,
+        max_rollouts=settings.train_max_rollouts,
+        # A one-shot run trains on whatever is ready; the daemon waits for its trigger (loop.py).
+        min_rollouts=1,
+        max_staleness=settings.train_max_staleness,
+        group_wait=0.0 if once else settings.train_group_wait,
+        dtype=settings.train_dtype,
+        seed=settings.train_seed,
+        algorithm=settings.train_algorithm,
+        device=settings.train_device,
+        gradient_checkpointing=settings.train_gradient_checkpointing,
     )
+    return config
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import threading
+
+    from gateway.store import db
+    from trainer import loop
+    from trainer.publish import TrainerBusy, TrainerLock
+    from trainer.step import Trainer, describe
+
+    settings = _train_settings(args)
+    _setup_logging(settings.log_level)
+    config = train_config(settings, once=args.once)
+    if args.once and args.train_min_rollouts is not None:
+        config.min_rollouts = args.train_min_rollouts
     engine = db.make_engine(settings.database_url)
+    lock = TrainerLock(config.adapter_dir)
+    try:
+        lock.acquire()
+    except TrainerBusy as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        engine.dispose()
+        return 3
+    stop = threading.Event()
     try:
         trainer = Trainer(config, engine)
-        print(f"policy@v{trainer.version} loaded from {config.adapter_dir}", file=sys.stderr)
-        done = 0
-        for i in range(args.steps):
-            result = trainer.step()
-            if result is None:
-                print(f"[{i + 1}/{args.steps}] no ready rollouts (need {config.min_rollouts})", file=sys.stderr)
-                break
-            done += 1
-            print(f"[{i + 1}/{args.steps}] {describe(result)}", flush=True)
+        print(f"policy@v{trainer.version} loaded from {config.adapter_dir}", file=sys.stderr, flush=True)
+        if args.once:
+            done = 0
+            for i in range(args.steps):
+                result = trainer.step()
+                if result is None:
+                    print(f"[{i + 1}/{args.steps}] no ready rollouts (need {config.min_rollouts})", file=sys.stderr)
+                    break
+                done += 1
+                print(f"[{i + 1}/{args.steps}] {describe(result)}", flush=True)
+            return 0 if done or args.allow_empty else 1
+        # The daemon: SIGTERM (docker stop, `clawgate up` shutting down) ends it between steps; a kill during a
+        # step is safe as well (nothing is recorded until the step commits).
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        cfg = loop.LoopConfig(
+            min_rollouts=settings.train_min_rollouts,
+            min_groups=settings.train_min_groups,
+            interval=settings.train_interval,
+            group_wait=settings.train_group_wait,
+            max_steps=args.max_steps,
+        )
+        print(
+            f"training when {cfg.min_rollouts} rollouts in {cfg.min_groups} groups are ready "
+            f"(looking every {cfg.interval:g}s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        loop.run(
+            trainer,
+            cfg,
+            stop=stop,
+            on_step=lambda r: print(describe(r), flush=True),
+            on_wait=lambda msg: print(msg, file=sys.stderr, flush=True),
+        )
+        return 0
     finally:
+        lock.release()
         engine.dispose()
-    return 0 if done or args.allow_empty else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,8 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
-    up = sub.add_parser("up", help="embedded mode: migrate, build the tiny model if needed, serve")
+    up = sub.add_parser("up", help="embedded mode: gateway + trainer (+ vLLM) with one command")
     _serve_flags(up)
+    up.add_argument("--no-train", action="store_true", help="serve only; do not start the trainer")
+    _train_flags(up)
     up.set_defaults(func=cmd_up)
 
     dbp = sub.add_parser("db", help="database schema")
@@ -272,20 +451,20 @@ def build_parser() -> argparse.ArgumentParser:
     _tree_flags(export)
     export.set_defaults(func=cmd_export)
 
-    train = sub.add_parser("train", help="train the LoRA policy on ready rollouts (GRPO)")
-    train.add_argument("--once", action="store_true", help="run --steps steps and exit")
-    train.add_argument("--steps", type=int, default=1)
+    train = sub.add_parser("train", help="the trainer daemon (GRPO/PPO steps as rollouts become ready)")
+    train.add_argument("--once", action="store_true", help="run --steps steps over what is ready now and exit")
+    train.add_argument("--steps", type=int, default=1, help="with --once: steps to run")
+    train.add_argument("--max-steps", type=int, help="daemon: exit after this many steps")
     train.add_argument("--model", help="base model (CLAWGATE_MODEL)")
     train.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
-    train.add_argument("--adapter-dir", help="where policy@vN versions go (CLAWGATE_ADAPTER_DIR)")
-    train.add_argument("--lr", type=float, default=1e-5)
-    train.add_argument("--temperature", type=float, default=1.0, help="temperature the rollouts were sampled at")
-    train.add_argument("--max-rollouts", type=int, default=256, help="rollouts per step at most")
-    train.add_argument("--min-rollouts", type=int, default=1, help="do nothing with fewer ready rollouts")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--allow-empty", action="store_true", help="exit 0 when nothing was ready")
+    train.add_argument("--allow-empty", action="store_true", help="with --once: exit 0 when nothing was ready")
     train.add_argument("--log-level", help="(CLAWGATE_LOG_LEVEL)")
+    _train_flags(train)
     train.set_defaults(func=cmd_train)
+
+    from runner.cli import register as register_rollout
+
+    register_rollout(sub)
 
     tiny = sub.add_parser("tiny-model", help="build the small local model used by tests and the demo")
     tiny.add_argument("dir")

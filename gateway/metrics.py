@@ -48,6 +48,29 @@ class Metrics:
         self.capture_written = Gauge("clawgate_capture_written", "Rows written by the capture writer", registry=r)
         self.capture_retries = Gauge("clawgate_capture_retries", "Capture write retries", registry=r)
         self.in_flight = Gauge("clawgate_in_flight_calls", "Calls being generated", registry=r)
+        self.policy_version = Gauge(
+            "clawgate_policy_version", "Policy version new calls are routed to (-1: the base model)", registry=r
+        )
+        self.policy_version.set(-1)
+        self.policy_swaps = Counter("clawgate_policy_swaps", "Policy versions swapped in", registry=r)
+        self.policy_swap_failures = Counter(
+            "clawgate_policy_swap_failures", "Published versions that could not be loaded or did not answer", registry=r
+        )
+        self.policy_swap_seconds = Histogram(
+            "clawgate_policy_swap_seconds",
+            "From a version's publication to new calls being routed to it",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rollouts_ready = Gauge(
+            "clawgate_rollouts_ready", "Finished, rewarded rollouts not yet trained on", registry=r
+        )
+        self.rollouts_trained = Gauge("clawgate_rollouts_trained", "Rollouts consumed by train steps", registry=r)
+        self.policy_staleness = Gauge(
+            "clawgate_policy_staleness",
+            "Versions between the newest published one and the one served (0: serving the newest)",
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

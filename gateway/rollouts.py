@@ -51,7 +51,13 @@ def default_group(task_id: str | None, harness: str | None) -> str | None:
 
 
 def create(
-    db: sa.Engine, *, task_id: str | None, harness: str | None, group: str | None, metadata: dict[str, Any] | None
+    db: sa.Engine,
+    *,
+    task_id: str | None,
+    harness: str | None,
+    group: str | None,
+    metadata: dict[str, Any] | None,
+    eval: bool = False,
 ) -> tuple[Rollout, str]:
     key = new_rollout_key()
     now = utcnow()
@@ -63,6 +69,7 @@ def create(
         group_key=group or default_group(task_id, harness),
         status="open",
         metadata_=metadata,
+        eval=eval,
         api_key_hash=hash_key(key),
         created_at=now,
         updated_at=now,
@@ -138,7 +145,7 @@ def close_idle(db: sa.Engine, idle_seconds: float) -> list[str]:
     return ids
 
 
-def finish(db: sa.Engine, rollout_id: str, status: str) -> Rollout:
+def finish(db: sa.Engine, rollout_id: str, status: str, reason: str | None = None) -> Rollout:
     if status not in FINISHED:
         raise BadRequest(f"status must be one of {', '.join(FINISHED)}", param="status")
     with Session(db, expire_on_commit=False) as session, session.begin():
@@ -147,6 +154,7 @@ def finish(db: sa.Engine, rollout_id: str, status: str) -> Rollout:
             raise BadRequest(f"rollout {rollout_id!r} is already {rollout.status}", param="status")
         now = utcnow()
         rollout.status = status
+        rollout.finish_reason = reason or rollout.finish_reason
         rollout.finished_at = rollout.finished_at or now
         rollout.updated_at = max(rollout.updated_at, now)
     return rollout
@@ -161,6 +169,7 @@ class RolloutFilter:
     policy_version: int | None = None
     since: dt.datetime | None = None
     until: dt.datetime | None = None
+    eval: bool | None = None
 
 
 def encode_cursor(rollout: Rollout) -> str:
@@ -190,6 +199,8 @@ def list_rollouts(
     ):
         if value is not None:
             query = query.where(column == value)
+    if f.eval is not None:
+        query = query.where(Rollout.eval == f.eval)
     if f.since is not None:
         query = query.where(Rollout.created_at >= f.since)
     if f.until is not None:
@@ -218,6 +229,8 @@ def summary(rollout: Rollout) -> dict[str, Any]:
         "harness": rollout.harness,
         "group": rollout.group_key,
         "status": rollout.status,
+        "finish_reason": rollout.finish_reason,
+        "eval": rollout.eval,
         "metadata": rollout.metadata_,
         "created_at": rollout.created_at.isoformat(),
         "updated_at": rollout.updated_at.isoformat(),

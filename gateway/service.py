@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -165,6 +166,8 @@ class ChatService:
         self.parser_cls = get_parser(parser)
         self.adapter = adapter
         self.policy_version = policy_version
+        # Calls running per adapter: a version is unloaded only once none of this gateway's calls use it.
+        self.adapter_in_flight: Counter[str] = Counter()
         self.db = db
         # Implicit rollouts the gateway closed: a conversation that resumes after that starts a new rollout
         # (still spliced from the raw tokens), so nothing is added to a rollout that may already be trained.
@@ -292,6 +295,8 @@ class ChatService:
         t_engine = time.perf_counter()
         t_first: float | None = None
         self.metrics.in_flight.inc()
+        if prep.adapter is not None:
+            self.adapter_in_flight[prep.adapter] += 1
         stream = self.engine.generate(request)
         try:
             async for event in stream:
@@ -348,6 +353,8 @@ class ChatService:
             raise error from exc
         finally:
             self.metrics.in_flight.dec()
+            if prep.adapter is not None:
+                self.adapter_in_flight[prep.adapter] -= 1
             await stream.aclose()
             engine_s = time.perf_counter() - t_engine
             self._record(prep, index, status, error, end, ids, logprobs, engine_s, t_first, tail_hash)

@@ -49,8 +49,38 @@ class Settings(BaseSettings):
     # Server-side generation cap: a request asking for more gets at most this many tokens.
     max_tokens: int = Field(default=4096, ge=1)
 
-    # Training: where policy versions (policy@vN) are written.
+    # Policy versions (policy@vN): where the trainer writes them, and how the gateway follows them.
     adapter_dir: Path = Path("adapters")
+    # Serve the newest published version (loaded into the engine, verified, then routed to); off: base model only.
+    policy_follow: bool = True
+    # How often the gateway looks for a newly published version (seconds): the bound on swap delay.
+    policy_poll_interval: float = Field(default=1.0, gt=0)
+    # Versions kept loaded in the engine (the current one and the newest older ones, for in-flight calls).
+    policy_keep_loaded: int = Field(default=3, ge=1)
+    # The adapter directory as the vLLM server sees it (compose mounts one volume at the same path everywhere).
+    vllm_adapter_dir: Path | None = None
+
+    # Trainer (`clawgate train`, `clawgate up`)
+    train_algorithm: Literal["grpo", "ppo"] = "grpo"
+    train_lr: float = Field(default=1e-5, gt=0)
+    # A step starts when this many rollouts are ready and they span at least `train_min_groups` usable groups.
+    train_min_rollouts: int = Field(default=8, ge=1)
+    train_min_groups: int = Field(default=1, ge=0)
+    # Seconds between looks at the store when nothing is ready.
+    train_interval: float = Field(default=5.0, gt=0)
+    train_max_rollouts: int = Field(default=256, ge=1)
+    # Rollouts served by a version more than this many versions older than the trained one are not trained on.
+    train_max_staleness: int = Field(default=8, ge=0)
+    # A group with a single ready rollout waits this long for company before it is consumed without signal.
+    train_group_wait: float = Field(default=600.0, ge=0)
+    # Temperature the rollouts were sampled at (engines report logprobs of the processed distribution).
+    train_temperature: float = Field(default=1.0, gt=0)
+    train_device: str = "auto"
+    train_dtype: Literal["float32", "bfloat16"] = "float32"
+    train_gradient_checkpointing: bool = False
+    train_lora_rank: int = Field(default=8, ge=1)
+    train_lora_alpha: int = Field(default=16, ge=1)
+    train_seed: int = 0
 
     # Store
     database_url: str = "sqlite:///./clawgate.db"

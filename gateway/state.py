@@ -10,6 +10,7 @@ import sqlalchemy as sa
 from gateway.engines.base import Engine
 from gateway.errors import NotFound
 from gateway.metrics import Metrics
+from gateway.policy import PolicyFollower
 from gateway.render import Renderer
 from gateway.response_store import ResponseStore
 from gateway.service import ChatService
@@ -38,6 +39,7 @@ class AppState:
     responses: ResponseStore  # conversations of stored responses, for previous_response_id
     # rollout id -> sha256 of its per-rollout key (None: the rollout has no key), filled on first use
     rollout_keys: dict[str, str | None] = field(default_factory=dict)
+    policy: PolicyFollower | None = None  # follows the trainer's published versions (CLAWGATE_POLICY_FOLLOW)
 
     def check_model(self, name: str) -> None:
         if self.accept_any_model or name in self.model_names:

@@ -20,6 +20,8 @@ class ScriptedEngine:
         self.scripts: deque[tuple[list[int], int | None]] = deque()
         self.requests: list[GenerationRequest] = []
         self.end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.loaded: dict[str, str] = {}  # adapter name -> path
+        self.unloaded: list[str] = []
 
     def push(self, text: str, *, end: bool = True, fail_after: int | None = None) -> list[int]:
         """Queue the next completion: ``text`` tokenized (+ the end-of-turn token)."""
@@ -46,13 +48,14 @@ class ScriptedEngine:
         yield GenerationEnd(finish, self.end_id if finish == "stop" else None, len(request.prompt_ids))
 
     async def load_adapter(self, name: str, path: str) -> None:
-        return None
+        self.loaded[name] = path
 
     async def unload_adapter(self, name: str) -> None:
-        return None
+        self.loaded.pop(name, None)
+        self.unloaded.append(name)
 
     async def adapters(self) -> list[str]:
-        return []
+        return sorted(self.loaded)
 
     async def health(self) -> bool:
         return True

@@ -6,7 +6,7 @@ advantages, packing) is a pure function of what it returns.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
@@ -51,6 +51,8 @@ class RolloutData:
     rollout: Rollout
     tree: RolloutTree
     reward: float | None
+    # The policy version of each served call (None: the base model), for the trainer's staleness bound.
+    served_versions: list[int | None] = field(default_factory=list)
 
 
 def load_rollout(db: sa.Engine, rollout_id: str, config: TreeConfig | None = None) -> RolloutData | None:
@@ -58,8 +60,10 @@ def load_rollout(db: sa.Engine, rollout_id: str, config: TreeConfig | None = Non
         rollout = session.get(Rollout, rollout_id)
         if rollout is None:
             return None
-        tree = build_tree(call_views(session, rollout_id), config)
-        return RolloutData(rollout, tree, rollout_reward(session, rollout_id))
+        views = call_views(session, rollout_id)
+        tree = build_tree(views, config)
+        served = [v.policy_version for v in views if v.status == "ok"]
+        return RolloutData(rollout, tree, rollout_reward(session, rollout_id), served)
 
 
 def rollout_ids(db: sa.Engine, *, status: str | None = None, limit: int | None = None) -> list[str]:

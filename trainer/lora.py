@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,20 +102,43 @@ def new_policy(base: PreTrainedModel, lora: LoraSettings, *, gradient_checkpoint
         task_type="CAUSAL_LM",
     )
     if gradient_checkpointing:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        base.enable_input_require_grads()
+        enable_gradient_checkpointing(base)
     policy = get_peft_model(base, config)
     assert isinstance(policy, PeftModel)
     return policy
 
 
-def load_policy(base: PreTrainedModel, path: str | Path, *, trainable: bool = True) -> PeftModel:
+def enable_gradient_checkpointing(base: PreTrainedModel) -> None:
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them (training only).
+
+    Non-reentrant checkpointing: the frozen base's inputs need no ``requires_grad`` for the LoRA weights inside a
+    checkpointed layer to get their gradients, and the gradients equal those without checkpointing.
+    """
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.enable_input_require_grads()
+
+
+def load_policy(
+    base: PreTrainedModel, path: str | Path, *, trainable: bool = True, gradient_checkpointing: bool = False
+) -> PeftModel:
     """Resume from a saved version."""
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(base)
     return PeftModel.from_pretrained(base, str(path), is_trainable=trainable)
 
 
-def save_version(policy: PeftModel, root: str | Path, manifest: Manifest) -> Path:
-    """Write ``root/policy@vN`` atomically; refuses to overwrite an existing version."""
+def save_version(
+    policy: PeftModel,
+    root: str | Path,
+    manifest: Manifest,
+    *,
+    extra: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write ``root/policy@vN`` atomically; refuses to overwrite an existing version.
+
+    ``extra`` writes further files (a value head) into the version's temporary directory before the rename, so
+    a version appears with all its files or not at all.
+    """
     final = version_path(root, manifest.version)
     if final.exists():
         raise FileExistsError(f"{final} already exists: versions are immutable")
@@ -123,6 +147,8 @@ def save_version(policy: PeftModel, root: str | Path, manifest: Manifest) -> Pat
     try:
         policy.save_pretrained(str(tmp), safe_serialization=True)
         (tmp / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2, sort_keys=True))
+        if extra is not None:
+            extra(tmp)
         for f in tmp.iterdir():  # readable by a serving engine running as another user
             os.chmod(f, 0o644)
         os.chmod(tmp, 0o755)

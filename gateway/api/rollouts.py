@@ -30,6 +30,7 @@ async def create_rollout(body: CreateRollout, request: Request, state: State) ->
         harness=body.harness,
         group=body.group,
         metadata=body.metadata,
+        eval=body.eval,
     )
     state.rollout_keys[rollout.id] = rollout.api_key_hash
     base = str(request.base_url).rstrip("/")
@@ -53,7 +54,7 @@ async def finish_rollout(rollout_id: str, request: Request, state: State) -> dic
     body = FinishRollout.model_validate_json(raw) if raw.strip() else FinishRollout()
     # Every call served so far must be in the store before the rollout is marked ready for training.
     await state.writer.flush()
-    rollout = await asyncio.to_thread(rollouts.finish, state.db, rollout_id, body.status)
+    rollout = await asyncio.to_thread(rollouts.finish, state.db, rollout_id, body.status, body.reason)
     return rollouts.summary(rollout)
 
 
@@ -67,10 +68,11 @@ async def list_rollouts(
     policy_version: int | None = None,
     since: dt.datetime | None = None,
     until: dt.datetime | None = None,
+    eval: bool | None = None,
     limit: int = Query(default=50, ge=1, le=500),
     cursor: str | None = None,
 ) -> dict[str, Any]:
-    f = rollouts.RolloutFilter(task_id, harness, status, group, policy_version, since, until)
+    f = rollouts.RolloutFilter(task_id, harness, status, group, policy_version, since, until, eval)
     rows, next_cursor = await asyncio.to_thread(rollouts.list_rollouts, state.db, f, limit=limit, cursor=cursor)
     return {"object": "list", "data": [rollouts.summary(r) for r in rows], "next_cursor": next_cursor}
 

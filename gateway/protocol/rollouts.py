@@ -15,6 +15,8 @@ class CreateRollout(TolerantModel):
     harness: str | None = Field(default=None, max_length=64)
     group: str | None = Field(default=None, max_length=512)
     metadata: dict[str, Any] | None = None
+    # An evaluation rollout: recorded and rewarded like any other, never trained on.
+    eval: bool = False
 
 
 def _finite(value: float) -> float:
@@ -33,6 +35,7 @@ class PostReward(TolerantModel):
 
 class FinishRollout(TolerantModel):
     status: Literal["completed", "failed", "aborted"] = "completed"
+    reason: str | None = Field(default=None, max_length=2000)
 
 
 class PostFeedback(TolerantModel):

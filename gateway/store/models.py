@@ -78,6 +78,10 @@ class Rollout(Base):
     group_key: Mapped[str | None] = mapped_column(sa.String, index=True)
     # "open" | "completed" | "failed" | "aborted"
     status: Mapped[str] = mapped_column(sa.String, default="open", server_default="open")
+    # Why a rollout failed or was aborted (a timeout, a harness crash), for the runner's report.
+    finish_reason: Mapped[str | None] = mapped_column(sa.Text)
+    # Evaluation rollouts measure a policy version; the trainer never trains on them.
+    eval: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default=sa.false())
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSONValue)
     api_key_hash: Mapped[str | None] = mapped_column(sa.String)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
@@ -174,6 +178,9 @@ class PolicyVersion(Base):
     step: Mapped[int | None] = mapped_column(sa.Integer)
     metrics: Mapped[dict[str, Any] | None] = mapped_column(JSONValue)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # When a gateway first had it loaded in its engine, and when it first routed new calls to it.
+    loaded_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    current_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
 
 
 class TrainStep(Base):

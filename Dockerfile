@@ -1,0 +1,50 @@
+# The clawgate image: gateway, migrations and trainer (`clawgate serve | db upgrade | train`), for a GPU host.
+#
+# Layers go from the slowest-changing to the fastest: torch (several GB), then the project's dependencies read from
+# pyproject.toml, then the source. Editing code rebuilds only the last layer.
+#
+#   docker build -t clawgate .
+#   docker run --rm -p 8080:8080 clawgate         # demo: SQLite and the tiny CPU model, built at first start
+
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# Directories the compose volumes mount over: a new named volume takes its owner from the image, so the
+# non-root user can write policy versions, spool files and the model cache.
+RUN useradd --create-home --uid 1000 --user-group clawgate \
+    && mkdir -p /adapters /data /hf-cache \
+    && chown clawgate:clawgate /adapters /data /hf-cache
+
+# The default PyPI Linux wheel of torch is a CUDA build. Same bounds as the `train` extra in pyproject.toml.
+ARG TORCH_REQUIREMENT="torch>=2.4,<=2.14.1"
+RUN pip install "${TORCH_REQUIREMENT}"
+
+WORKDIR /src
+COPY pyproject.toml ./
+# The runtime and `train` dependencies alone, so that a source change does not reinstall them.
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['train']))" > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
+
+COPY README.md ./
+COPY migrations ./migrations
+COPY trainer ./trainer
+COPY runner ./runner
+COPY gateway ./gateway
+RUN pip install ".[train]" && rm -rf build *.egg-info
+
+USER clawgate
+# Relative defaults (SQLite file, tiny model, spool) land in the writable /data.
+WORKDIR /data
+ENV HF_HOME=/hf-cache \
+    CLAWGATE_HOST=0.0.0.0 \
+    CLAWGATE_ADAPTER_DIR=/adapters
+EXPOSE 8080
+
+ENTRYPOINT ["clawgate"]
+CMD ["up"]

@@ -1,0 +1,199 @@
+"""Following the trainer: load each newly published policy version into the engine, verify it, route to it.
+
+The trainer publishes ``policy@vN`` by writing its directory and then committing a ``policy_versions`` row (see
+``trainer/publish.py``); the row is the signal, so a half-written directory is never seen. Every gateway runs one
+``PolicyFollower``: every ``policy_poll_interval`` seconds it looks for a version newer than the one it serves and
+
+1. loads it into its engine under the version's own name (vLLM: ``POST /v1/load_lora_adapter``; the local engine:
+   in-process) — a new name per version, because vLLM keys its prefix cache by adapter;
+2. verifies it answers (a one-token generation through the adapter);
+3. routes new calls to it (one assignment on the event loop, so a request sees either the old or the new version,
+   never a mix); calls already running keep the version they started on, and each call records its version;
+4. marks it current in the database (``is_current``, ``loaded_at``, ``current_at``: the swap latency);
+5. unloads versions beyond the newest ``policy_keep_loaded`` once no call of this gateway still runs on them.
+
+A version that fails to load or to answer is reported (log, metric) and skipped; the gateway keeps serving the
+version it had. If the engine lost the current adapter (a restarted engine), it is loaded again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from gateway.engines.base import Engine, GenerationEnd, GenerationRequest, SamplingParams
+from gateway.metrics import Metrics
+from gateway.service import ChatService
+from gateway.settings import Settings
+from gateway.store.models import PolicyVersion
+
+log = logging.getLogger("clawgate.policy")
+
+
+def newest_version(db: sa.Engine, after: int | None) -> PolicyVersion | None:
+    query = sa.select(PolicyVersion).order_by(PolicyVersion.version.desc()).limit(1)
+    if after is not None:
+        query = query.where(PolicyVersion.version > after)
+    with Session(db, expire_on_commit=False) as session:
+        return session.scalars(query).first()
+
+
+def mark_current(db: sa.Engine, version: int, loaded_at: dt.datetime) -> None:
+    """One transaction: this version is current (and loaded), no other is."""
+    now = dt.datetime.now(dt.UTC)
+    with Session(db) as session, session.begin():
+        row = session.get(PolicyVersion, version)
+        if row is None:
+            return
+        session.execute(
+            sa.update(PolicyVersion)
+            .where(PolicyVersion.version != version, PolicyVersion.is_current.is_(True))
+            .values(is_current=False)
+        )
+        row.is_current = True
+        row.status = "loaded"
+        row.loaded_at = row.loaded_at or loaded_at
+        row.current_at = row.current_at or now
+
+
+def mark_retired(db: sa.Engine, version: int) -> None:
+    with Session(db) as session, session.begin():
+        session.execute(
+            sa.update(PolicyVersion)
+            .where(PolicyVersion.version == version, PolicyVersion.is_current.is_(False))
+            .values(status="retired")
+        )
+
+
+class PolicyFollower:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Engine,
+        service: ChatService,
+        db: sa.Engine,
+        metrics: Metrics,
+        probe_ids: list[int],
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.service = service
+        self.db = db
+        self.metrics = metrics
+        self.probe_ids = probe_ids or [0]
+        self.current: int | None = None
+        self.loaded: dict[int, str] = {}  # version -> adapter name, of the versions this gateway loaded, oldest first
+        self.failed: set[int] = set()
+        self._lock = asyncio.Lock()
+
+    # -- the loop ------------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.policy_poll_interval)
+            try:
+                await self.sync()
+            except Exception:  # the database or the engine may be down for a while; try again next time
+                log.warning("policy follower: could not check for a new version", exc_info=True)
+
+    async def sync(self) -> int | None:
+        """One look for a newer version; returns the version served afterwards (None: the base model)."""
+        async with self._lock:
+            await self._ensure_current_loaded()
+            row = await asyncio.to_thread(newest_version, self.db, self.current)
+            if row is not None and row.version not in self.failed:
+                await self._swap_to(row)
+            await self._retire()
+            return self.current
+
+    # -- steps ---------------------------------------------------------------------------------------------
+
+    def _engine_path(self, row: PolicyVersion) -> str:
+        if self.settings.engine == "vllm" and self.settings.vllm_adapter_dir is not None:
+            return str(Path(self.settings.vllm_adapter_dir) / row.adapter_name)
+        return row.path
+
+    async def _swap_to(self, row: PolicyVersion) -> None:
+        name, version = row.adapter_name, row.version
+        t0 = time.perf_counter()
+        try:
+            if name not in await self.engine.adapters():
+                await self.engine.load_adapter(name, self._engine_path(row))
+            loaded_at = dt.datetime.now(dt.UTC)
+            await self._probe(name)
+        except Exception as exc:
+            self.failed.add(version)
+            self.metrics.policy_swap_failures.inc()
+            log.error("policy %s could not be served (%s); staying on %s", name, exc, self.service.adapter or "base")
+            return
+        self.loaded.setdefault(version, name)
+        previous = self.service.adapter
+        self.service.adapter, self.service.policy_version = name, version
+        self.current = version
+        await asyncio.to_thread(mark_current, self.db, version, loaded_at)
+        published = row.created_at.timestamp()
+        self.metrics.policy_version.set(version)
+        self.metrics.policy_swaps.inc()
+        self.metrics.policy_swap_seconds.observe(max(time.time() - published, 0.0))
+        log.info(
+            "serving %s (was %s): loaded and verified in %.2fs, %.2fs after it was published",
+            name,
+            previous or "the base model",
+            time.perf_counter() - t0,
+            time.time() - published,
+        )
+
+    async def _probe(self, name: str) -> None:
+        request = GenerationRequest(
+            f"probe-{name}-{time.monotonic_ns()}",
+            list(self.probe_ids),
+            SamplingParams(max_tokens=1, temperature=0.0),
+            name,
+            stream=False,
+        )
+        end: Any = None
+        async for event in self.engine.generate(request):
+            if isinstance(event, GenerationEnd):
+                end = event
+        if end is None:
+            raise RuntimeError(f"the probe through {name} ended without an answer")
+
+    async def _ensure_current_loaded(self) -> None:
+        if self.current is None:
+            return
+        name = self.service.adapter
+        if name is None or name in await self.engine.adapters():
+            return
+        row = await asyncio.to_thread(_get, self.db, self.current)
+        if row is None:
+            return
+        log.warning("the engine lost %s (restarted?): loading it again", name)
+        await self.engine.load_adapter(name, self._engine_path(row))
+
+    async def _retire(self) -> None:
+        keep = self.settings.policy_keep_loaded
+        while len(self.loaded) > keep:
+            version, name = next(iter(self.loaded.items()))
+            if version == self.current:
+                return
+            if self.service.adapter_in_flight.get(name, 0) > 0:
+                return  # calls still run on it: next time
+            try:
+                await self.engine.unload_adapter(name)
+            except Exception as exc:
+                log.warning("could not unload %s: %s", name, exc)
+            del self.loaded[version]
+            await asyncio.to_thread(mark_retired, self.db, version)
+            log.info("unloaded %s", name)
+
+
+def _get(db: sa.Engine, version: int) -> PolicyVersion | None:
+    with Session(db, expire_on_commit=False) as session:
+        return session.get(PolicyVersion, version)

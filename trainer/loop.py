@@ -1,0 +1,124 @@
+"""The trainer daemon: wait until enough rollouts are ready, take a step, publish, repeat.
+
+A step starts when at least ``min_rollouts`` rollouts are ready and they form at least ``min_groups`` groups with
+two or more members (GRPO learns nothing from a group of one), or when the oldest ready rollout has waited
+``group_wait`` seconds (so a lone rollout is eventually consumed and reported, never left behind). Otherwise the
+loop sleeps ``interval`` seconds.
+
+Crash safety comes from the step itself (``step.py``: consumption and publication commit in one transaction;
+``publish.recover`` resumes from the last recorded version), so the daemon may be killed at any point. A step
+that raises (the database went away, a CUDA error) is logged and recorded as a failed train step; the loop backs
+off and tries again — the rollouts it would have consumed are still ready.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from gateway.store.models import Rollout, TrainStep
+from trainer.step import StepResult, Trainer, readiness, ready_condition
+
+log = logging.getLogger("clawgate.trainer")
+
+
+@dataclass(slots=True)
+class LoopConfig:
+    min_rollouts: int = 8
+    min_groups: int = 1
+    interval: float = 5.0
+    group_wait: float = 600.0
+    max_steps: int | None = None  # stop after this many published steps (None: run until stopped)
+    max_backoff: float = 300.0
+
+
+def oldest_ready_age(db: sa.Engine, epoch: int) -> float | None:
+    """Seconds since the oldest ready rollout finished (None: nothing is ready)."""
+    with Session(db) as session:
+        oldest = session.scalar(sa.select(sa.func.min(Rollout.finished_at)).where(*ready_condition(epoch)))
+    if oldest is None:
+        return None
+    if oldest.tzinfo is None:
+        oldest = oldest.replace(tzinfo=dt.UTC)
+    return (dt.datetime.now(dt.UTC) - oldest).total_seconds()
+
+
+def should_step(trainer: Trainer, cfg: LoopConfig) -> tuple[bool, str]:
+    ready = readiness(trainer.db, trainer.config.epoch)
+    if ready.rollouts >= cfg.min_rollouts and ready.groups >= cfg.min_groups:
+        return True, f"{ready.rollouts} rollouts ready in {ready.groups} groups"
+    age = oldest_ready_age(trainer.db, trainer.config.epoch)
+    if ready.rollouts and age is not None and age >= cfg.group_wait:
+        return True, f"{ready.rollouts} rollouts ready, the oldest waited {age:.0f}s"
+    return False, (
+        f"waiting: {ready.rollouts}/{cfg.min_rollouts} rollouts ready, "
+        f"{ready.groups}/{cfg.min_groups} groups with two or more"
+    )
+
+
+def record_failure(db: sa.Engine, version: int, error: BaseException, started: dt.datetime) -> None:
+    try:
+        with Session(db) as session, session.begin():
+            session.add(
+                TrainStep(
+                    version=None,
+                    base_version=version,
+                    algorithm="grpo",
+                    status="failed",
+                    n_rollouts=0,
+                    n_paths=0,
+                    tokens_processed=0,
+                    trainable_tokens=0,
+                    error=f"{type(error).__name__}: {error}"[:4000],
+                    started_at=started,
+                    ended_at=dt.datetime.now(dt.UTC),
+                )
+            )
+    except Exception:
+        log.warning("could not record the failed step", exc_info=True)
+
+
+def run(
+    trainer: Trainer,
+    cfg: LoopConfig,
+    *,
+    stop: threading.Event,
+    on_step: Callable[[StepResult], None] = lambda r: None,
+    on_wait: Callable[[str], None] = lambda msg: None,
+) -> int:
+    """Train until ``stop`` is set (or ``max_steps`` steps were published); returns the number of steps."""
+    steps = 0
+    backoff = cfg.interval
+    last_wait = ""
+    while not stop.is_set():
+        started = dt.datetime.now(dt.UTC)
+        try:
+            go, why = should_step(trainer, cfg)
+            result = trainer.step() if go else None
+        except Exception as exc:
+            log.exception("train step failed; retrying in %.0fs", backoff)
+            record_failure(trainer.db, trainer.version, exc, started)
+            stop.wait(backoff)
+            backoff = min(backoff * 2, cfg.max_backoff)
+            continue
+        backoff = cfg.interval
+        if result is not None:
+            steps += 1
+            on_step(result)
+            if cfg.max_steps is not None and steps >= cfg.max_steps:
+                break
+            continue
+        if not go and why != last_wait:
+            on_wait(why)
+            last_wait = why
+        stop.wait(cfg.interval)
+    return steps
+
+
+__all__ = ["LoopConfig", "oldest_ready_age", "record_failure", "run", "should_step"]

@@ -1,0 +1,409 @@
+"""PPO over packed prefix trees: a value head on the policy's last hidden states and GAE along every branch.
+
+The critic is a ``Linear(hidden, 1)`` (``ValueHead``) on the final hidden state the policy's output projection
+reads; the LoRA model is the shared trunk. The value of trained token t is read where the logits that predict t
+are read (its prediction's source position), so V_t is the value of the state in which token t was sampled. The
+head has its own parameters and optimizer (``Critic``) and is saved as ``value_head.safetensors`` inside each
+policy version, with the number of updates it has had (for the warm-up).
+
+One step (``optimize``):
+
+1. a forward pass without gradient gives V_old at every trained token of every tree (``pack_trees`` layout; it
+   costs about a third of the training pass);
+2. GAE along each kept root-to-leaf path of each tree, separately (``advantages.gae``; the rollout reward is the
+   terminal reward of every path's last trained token, ``advantages.terminal_rewards``). A path's steps are its
+   trained tokens in order; context between them is the environment's transition. Values are never mixed across
+   sibling branches: a branch's GAE reads only the values on its own path;
+3. a forward pass with gradient: PPO-clip with truncated IS (``loss.policy_loss``) plus ``value_coef`` times the
+   clipped value loss (``loss.value_loss``) against the returns, both summed over distinct trained tokens and
+   divided by their number (as the GRPO step); then one optimizer step for the LoRA and one for the head.
+
+A shared prefix token lies on c kept paths, and each path gives it its own advantage and return (they differ
+when γ < 1 or λ < 1: the futures below the branch point differ). The token's advantage and return are defined as
+their **mean over the c kept paths through it**. Why: the per-path layout gives every copy the weight 1/c, so
+per-path PPO sums (1/c)·ℓ(A_p, R_p) over the copies. With one update per batch, logp_old is the current policy and
+V_old the current head, so every ratio is 1, V = V_old and no clip is active; there the gradients are linear in
+the targets (−w·A·∇logp for the policy, (V − R)·∇V for the value), so Σ_p (1/c)·∇ℓ(A_p, R_p) = ∇ℓ(mean A, mean R):
+the mean gives per-path PPO's exact gradient while a shared prefix is computed and counted once, and the tree
+and per-path layouts give the same loss, gradients and metrics (a sub-forest split of a large tree splits the
+token's weight, not its targets). Only the reported value loss is lower than a per-path one, by the variance of
+the returns across the branches (½·Var_p R_p per shared token). Several epochs over one batch would make the
+ratios move and the two differ; this step does not do that. A root's first token has no prediction, hence no
+value, and is no step.
+
+Critic warm-up: while the head has had fewer than ``critic_warmup_steps`` updates, the step trains only the head
+(the trunk runs without gradient, the LoRA weights stay as they are), so the first policy updates use a critic
+that already predicts the returns rather than the zero-initialized head. The rollouts of a warm-up step are
+consumed like any other: the trainer trains on each rollout once. ``value_coef`` scales the value loss for the
+trunk and the head alike; the head's Adam step hardly depends on that scale, but 0 leaves the critic untrained.
+
+Pure torch on the model side; no database.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from trainer.advantages import gae, terminal_rewards
+from trainer.batch import PackedBatch, logprobs_from_logits, pack_trees
+from trainer.loss import policy_loss, value_loss
+from trainer.tree import RolloutTree, TreeNode
+
+__all__ = [
+    "VALUE_HEAD",
+    "Branch",
+    "Critic",
+    "Key",
+    "PPOSettings",
+    "ValueHead",
+    "branch_gae",
+    "explained_variance",
+    "optimize",
+    "token_targets",
+]
+
+VALUE_HEAD = "value_head.safetensors"
+Key = tuple[int, int]  # (node id, position in the path): one token of one tree
+MAX_GRAD_NORM = 1.0
+_TOKEN_SUMS = ("loss", "pg_loss", "value_loss")  # metrics that are token sums under aggregation="token_sum"
+
+
+class PPOSettings(Protocol):
+    """What ``optimize`` reads from the trainer's configuration (``step.TrainConfig`` has all of it)."""
+
+    @property
+    def gamma(self) -> float: ...
+    @property
+    def lam(self) -> float: ...
+    @property
+    def value_coef(self) -> float: ...
+    @property
+    def value_clip(self) -> float | None: ...
+    @property
+    def critic_warmup_steps(self) -> int: ...
+    @property
+    def clip_low(self) -> float: ...
+    @property
+    def clip_high(self) -> float: ...
+    @property
+    def is_cap(self) -> float: ...
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def strategy(self) -> str: ...
+    @property
+    def max_tokens_per_bin(self) -> int: ...
+
+
+# ------------------------------------------------------------------------------------------------ the critic
+
+
+class ValueHead(nn.Module):
+    """V(s) = w·h + b on the last hidden state h, in float32 whatever the trunk's dtype.
+
+    Zero-initialized: every value starts at 0 (the advantage of the first steps is then the plain return), and
+    the gradient into the shared trunk starts at 0 too, so a fresh head cannot disturb the policy.
+    """
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, 1, dtype=torch.float32)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """[..., H] hidden states -> [...] values."""
+        out: Tensor = self.linear(hidden.to(self.linear.weight.dtype)).squeeze(-1)
+        return out
+
+
+class Critic:
+    """The value head, its own optimizer, and how many updates it has had (the warm-up counts them)."""
+
+    def __init__(self, hidden_size: int, *, lr: float, device: torch.device | str = "cpu", updates: int = 0) -> None:
+        self.head = ValueHead(hidden_size).to(device)
+        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=lr, weight_decay=0.0)
+        self.updates = updates
+
+    @staticmethod
+    def hidden_size(policy: Any) -> int:
+        """The width of the hidden state the policy's output projection reads."""
+        return int(policy.get_output_embeddings().weight.shape[1])
+
+    @classmethod
+    def for_policy(cls, policy: Any, *, lr: float) -> Critic:
+        """A fresh head on the policy's device."""
+        return cls(cls.hidden_size(policy), lr=lr, device=policy.get_input_embeddings().weight.device)
+
+    def save(self, directory: Path) -> None:
+        """Write ``directory/value_head.safetensors`` (usable as ``lora.save_version``'s ``extra``)."""
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()}
+        save_file(tensors, str(Path(directory) / VALUE_HEAD), metadata={"updates": str(self.updates)})
+
+    @classmethod
+    def load(cls, directory: Path, *, lr: float, device: torch.device | str = "cpu") -> Critic:
+        """The head saved in a version directory (its optimizer state starts afresh, as the policy's does)."""
+        path = Path(directory) / VALUE_HEAD
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+            meta = f.metadata() or {}
+        critic = cls(int(tensors["linear.weight"].shape[1]), lr=lr, device=device, updates=int(meta.get("updates", 0)))
+        critic.head.load_state_dict(tensors)
+        return critic
+
+    @staticmethod
+    def saved_in(directory: Path) -> bool:
+        return (Path(directory) / VALUE_HEAD).exists()
+
+
+# ------------------------------------------------------------------------------------------------ GAE on a tree
+
+
+@dataclass(frozen=True)
+class Branch:
+    """GAE along one kept root-to-leaf path: its steps (trained tokens, in order) and their targets."""
+
+    leaf: int  # node id
+    keys: tuple[Key, ...]
+    values: npt.NDArray[np.float64]
+    advantages: npt.NDArray[np.float64]
+    returns: npt.NDArray[np.float64]
+
+
+def _chain(leaf: TreeNode) -> list[TreeNode]:
+    chain: list[TreeNode] = []
+    node: TreeNode | None = leaf
+    while node is not None:
+        chain.append(node)
+        node = node.parent
+    chain.reverse()
+    return chain
+
+
+def branch_gae(
+    tree: RolloutTree, reward: float, values: Mapping[Key, float], *, gamma: float, lam: float
+) -> list[Branch]:
+    """GAE along every kept path of one rollout's tree, each path on its own (see the module docstring).
+
+    ``values`` maps (node id, position) of every trained token but a root's first to V_old. A path with no
+    trained token yields no branch.
+    """
+    out: list[Branch] = []
+    for leaf in tree.leaves():
+        keys = tuple((node.id, node.depth + int(i)) for node in _chain(leaf) for i in np.flatnonzero(node.trainable))
+        keys = tuple(k for k in keys if k[1] > 0)  # position 0 has no source position, hence no prediction
+        if not keys:
+            continue
+        try:
+            v = np.array([values[k] for k in keys], dtype=np.float64)
+        except KeyError as e:
+            raise ValueError(f"no value for trained token (node, position) {e.args[0]} of leaf {leaf.id}") from None
+        rewards = terminal_rewards(np.ones(len(keys), dtype=np.bool_), reward)
+        adv, ret = gae(rewards, v, gamma=gamma, lam=lam)
+        out.append(Branch(leaf.id, keys, v, adv, ret))
+    return out
+
+
+def token_targets(branches: Sequence[Branch]) -> dict[Key, tuple[float, float]]:
+    """(advantage, return) of every trained token of a tree: the means over the kept paths through it."""
+    sums: dict[Key, list[float]] = {}
+    for branch in branches:
+        for k, a, r in zip(branch.keys, branch.advantages.tolist(), branch.returns.tolist(), strict=True):
+            acc = sums.setdefault(k, [0.0, 0.0, 0.0])
+            acc[0] += a
+            acc[1] += r
+            acc[2] += 1.0
+    return {k: (a / n, r / n) for k, (a, r, n) in sums.items()}
+
+
+# ------------------------------------------------------------------------------------------------ model side
+
+
+def _forward(policy: Any, batch: PackedBatch, temperature: float) -> tuple[Tensor, Tensor]:
+    """[P] logprobs and [P, H] last hidden states of every prediction of ``batch`` (at its source position).
+
+    As ``batch.prediction_logits``, and the hidden states are the input of the output projection, caught by a
+    forward pre-hook: that input is exactly the final hidden state at the kept source positions, for any causal
+    LM, without keeping every layer's hidden states as ``output_hidden_states`` would.
+    """
+    weight = policy.get_input_embeddings().weight
+    inputs = batch.model_inputs(getattr(policy.config, "_attn_implementation", None), weight.dtype)
+    keep = torch.unique(batch.sources)  # sorted
+    caught: list[Tensor] = []
+
+    def catch(module: nn.Module, args: tuple[Any, ...]) -> None:
+        caught.append(args[0])
+
+    handle = policy.get_output_embeddings().register_forward_pre_hook(catch)
+    try:
+        out = policy(**inputs, logits_to_keep=keep, use_cache=False)
+    finally:
+        handle.remove()
+    if len(caught) != 1:
+        raise RuntimeError(f"expected one call of the output projection, saw {len(caught)}")
+    at = torch.searchsorted(keep, batch.sources)
+    logits = out.logits[batch.rows, at].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logprobs_from_logits(logits, batch.targets), caught[0][batch.rows, at]
+
+
+def _keys(batch: PackedBatch) -> list[tuple[int, int, int]]:
+    """(tree index, node id, position) of every prediction."""
+    return list(zip(batch.rollout_index.tolist(), batch.nodes.tolist(), batch.depths.tolist(), strict=True))
+
+
+def _lookup(keys: list[tuple[int, int, int]], table: Mapping[tuple[int, int, int], float], device: Any) -> Tensor:
+    return torch.tensor([table[k] for k in keys], dtype=torch.float32, device=device)
+
+
+def optimize(
+    policy: Any,
+    optimizer: torch.optim.Optimizer,
+    critic: Critic,
+    trees: Sequence[RolloutTree],
+    rewards: Sequence[float],
+    config: PPOSettings,
+    *,
+    rollout_advantages: dict[int, float] | None = None,
+) -> dict[str, float]:
+    """One PPO step over ``trees`` (one rollout each, with its reward): GAE per branch, then one update.
+
+    ``optimizer`` holds the policy's trainable (LoRA) parameters, ``critic`` the value head and its optimizer.
+    When ``rollout_advantages`` is given it receives, per tree index, the mean advantage over that tree's distinct
+    trained tokens. Returns the metrics: ``value_loss`` (mean over distinct trained tokens, before the update),
+    ``explained_variance`` (1 − Var(R − V_old)/Var(R) over distinct trained tokens; left out when the returns
+    have no variance), ``value_mean``, ``return_mean``, ``value_clip_frac``, ``advantage_mean``,
+    ``advantage_std``, ``critic_warmup`` (1 on a warm-up step), the policy metrics of ``loss.policy_loss``
+    (``loss`` and ``pg_loss`` as means over distinct trained tokens), ``grad_norm`` (LoRA, before clipping; 0
+    in warm-up), ``value_grad_norm``, ``tokens_processed`` (per forward pass; the step runs two) and
+    ``trainable_tokens``.
+    """
+    if len(trees) != len(rewards):
+        raise ValueError(f"{len(trees)} trees but {len(rewards)} rewards")
+    if config.value_coef < 0:
+        raise ValueError(f"value_coef must be >= 0, got {config.value_coef}")
+    device = policy.get_input_embeddings().weight.device
+    batches = [
+        b
+        for b in pack_trees(trees, config.strategy, config.max_tokens_per_bin)  # type: ignore[arg-type]
+        if b.num_predictions
+    ]
+    total = float(sum(float(b.weights[b.trainable].sum()) for b in batches)) or 1.0
+
+    # 1. V_old at every trained token; copies of a token (per-path rows) hold the same state: their mean.
+    sums: dict[tuple[int, int, int], list[float]] = {}
+    with torch.no_grad():
+        for b in batches:
+            _, hidden = _forward(policy, b.to(device), config.temperature)
+            for k, v in zip(_keys(b), critic.head(hidden).tolist(), strict=True):
+                acc = sums.setdefault(k, [0.0, 0.0])
+                acc[0] += v
+                acc[1] += 1.0
+    old_values = {k: s / n for k, (s, n) in sums.items()}
+    per_tree: list[dict[Key, float]] = [{} for _ in trees]
+    for (index, node, pos), v in old_values.items():
+        per_tree[index][(node, pos)] = v
+
+    # 2. GAE per branch, tree by tree; per-token targets are means over the paths through the token.
+    advantages: dict[tuple[int, int, int], float] = {}
+    returns: dict[tuple[int, int, int], float] = {}
+    for index, (tree, reward) in enumerate(zip(trees, rewards, strict=True)):
+        branches = branch_gae(tree, float(reward), per_tree[index], gamma=config.gamma, lam=config.lam)
+        targets = token_targets(branches)
+        for (node, pos), (a, r) in targets.items():
+            advantages[(index, node, pos)] = a
+            returns[(index, node, pos)] = r
+        if rollout_advantages is not None and targets:
+            rollout_advantages[index] = float(np.mean([a for a, _ in targets.values()]))
+
+    # 3. One update: policy loss + value_coef · value loss (warm-up: the value loss alone, trunk frozen).
+    warmup = critic.updates < config.critic_warmup_steps
+    optimizer.zero_grad(set_to_none=True)
+    critic.optimizer.zero_grad(set_to_none=True)
+    metrics: dict[str, float] = {}
+    processed = 0
+    for b in batches:
+        b = b.to(device)
+        keys = _keys(b)
+        adv, ret, old = (_lookup(keys, table, device) for table in (advantages, returns, old_values))
+        with torch.set_grad_enabled(not warmup):
+            logp, hidden = _forward(policy, b, config.temperature)
+        vloss, vm = value_loss(
+            critic.head(hidden),
+            ret,
+            b.trainable,
+            old_values=old,
+            clip=config.value_clip,
+            weights=b.weights,
+            aggregation="token_sum",
+        )
+        ploss, pm = policy_loss(
+            logp,
+            logp.detach(),  # one update per batch: the "old" policy is the current one
+            b.rollout_logprobs,
+            adv,
+            b.trainable,
+            clip_low=config.clip_low,
+            clip_high=config.clip_high,
+            is_cap=config.is_cap,
+            aggregation="token_sum",
+            weights=b.weights,
+        )
+        loss = config.value_coef * vloss if warmup else ploss + config.value_coef * vloss
+        (loss / total).backward()
+        processed += b.num_tokens
+        share = float(b.weights[b.trainable].sum()) / total
+        for name, value in {**pm, **vm}.items():
+            if name == "is_weight_max":
+                metrics[name] = max(metrics.get(name, 0.0), value)
+                continue
+            # Token sums become means over distinct tokens; means are weighted by the batch's share of tokens.
+            scale = 1.0 if name == "tokens" else 1.0 / total if name in _TOKEN_SUMS else share
+            metrics[name] = metrics.get(name, 0.0) + value * scale
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    grad_norm = 0.0
+    if not warmup:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_norm=MAX_GRAD_NORM))
+        optimizer.step()
+    value_grad_norm = float(torch.nn.utils.clip_grad_norm_(critic.head.parameters(), max_norm=MAX_GRAD_NORM))
+    critic.optimizer.step()
+    critic.updates += 1
+
+    adv_all = np.array(list(advantages.values()), dtype=np.float64)
+    metrics.update(
+        {
+            "advantage_mean": float(adv_all.mean()) if adv_all.size else 0.0,
+            "advantage_std": float(adv_all.std()) if adv_all.size else 0.0,
+            "critic_warmup": float(warmup),
+            "grad_norm": grad_norm,
+            "value_grad_norm": value_grad_norm,
+            "tokens_processed": float(processed),
+            "trainable_tokens": total,
+        }
+    )
+    ev = explained_variance([old_values[k] for k in returns], list(returns.values()))
+    if ev is not None:
+        metrics["explained_variance"] = ev
+    return metrics
+
+
+def explained_variance(values: Sequence[float], returns: Sequence[float]) -> float | None:
+    """1 − Var(R − V)/Var(R): 1 for a perfect critic, 0 for a constant one; None when Var(R) = 0."""
+    r = np.asarray(returns, dtype=np.float64)
+    if r.size == 0:
+        return None
+    var = float(r.var())
+    if var <= 1e-12 * max(1.0, float(np.square(r).mean())):
+        return None
+    return 1.0 - float((r - np.asarray(values, dtype=np.float64)).var()) / var
