@@ -355,6 +355,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from gateway.store import db
     from trainer import loop
+    from trainer.progress import StepProgress
     from trainer.publish import TrainerBusy, TrainerLock
     from trainer.step import Trainer, describe
 
@@ -374,6 +375,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     stop = threading.Event()
     try:
         trainer = Trainer(config, engine)
+        trainer.progress = StepProgress()
         print(f"policy@v{trainer.version} loaded from {config.adapter_dir}", file=sys.stderr, flush=True)
         if args.once:
             done = 0

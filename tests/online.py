@@ -35,17 +35,18 @@ class Sample:
 
 @dataclass
 class UpProcess:
-    """`clawgate up` in a child process, its output collected."""
+    """`clawgate up` (or another subcommand) in a child process, its output collected."""
 
     env: dict[str, str]
     cwd: Path
     args: list[str] = field(default_factory=list)
+    command: str = "up"
     lines: list[str] = field(default_factory=list)
     proc: Any = None
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "up", *self.args],
+            [sys.executable, "-m", "gateway.cli", self.command, *self.args],
             cwd=self.cwd,
             env={**os.environ, "PYTHONPATH": str(ROOT), **self.env},
             stdout=subprocess.PIPE,

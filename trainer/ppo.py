@@ -42,7 +42,7 @@ Pure torch on the model side; no database.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -276,6 +276,7 @@ def optimize(
     config: PPOSettings,
     *,
     rollout_advantages: dict[int, float] | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, float]:
     """One PPO step over ``trees`` (one rollout each, with its reward): GAE per branch, then one update.
 
@@ -304,7 +305,9 @@ def optimize(
     # 1. V_old at every trained token; copies of a token (per-path rows) hold the same state: their mean.
     sums: dict[tuple[int, int, int], list[float]] = {}
     with torch.no_grad():
-        for b in batches:
+        for i, b in enumerate(batches):
+            if progress is not None:
+                progress("values", i + 1, len(batches))
             _, hidden = _forward(policy, b.to(device), config.temperature)
             for k, v in zip(_keys(b), critic.head(hidden).tolist(), strict=True):
                 acc = sums.setdefault(k, [0.0, 0.0])
@@ -333,7 +336,9 @@ def optimize(
     critic.optimizer.zero_grad(set_to_none=True)
     metrics: dict[str, float] = {}
     processed = 0
-    for b in batches:
+    for i, b in enumerate(batches):
+        if progress is not None:
+            progress("train", i + 1, len(batches))
         b = b.to(device)
         keys = _keys(b)
         adv, ret, old = (_lookup(keys, table, device) for table in (advantages, returns, old_values))

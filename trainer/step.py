@@ -27,6 +27,7 @@ import datetime as dt
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import cast
@@ -178,6 +179,8 @@ class Trainer:
     def __init__(self, config: TrainConfig, db: sa.Engine) -> None:
         self.config = config
         self.db = db
+        # Called as progress(phase, batches done, batches) while a step runs (`clawgate train` draws a bar).
+        self.progress: Callable[[str, int, int], None] | None = None
         torch.manual_seed(config.seed)
         base = lora.load_base(config.model, dtype=config.dtype, device=resolve_device(config.device))
         latest = publish.recover(db, config.adapter_dir)
@@ -312,7 +315,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         processed = 0
-        for b in batches:
+        for i, b in enumerate(batches):
             b = b.to(device)
             logp = sequence_logprobs(self.policy, b, temperature=cfg.temperature)
             loss, m = policy_loss(
@@ -328,6 +331,8 @@ class Trainer:
                 weights=b.weights,
             )
             (loss / total).backward()
+            if self.progress is not None:
+                self.progress("train", i + 1, len(batches))
             processed += b.num_tokens
             share = float(b.weights[b.trainable].sum()) / total
             for k, v in m.items():
@@ -361,6 +366,7 @@ class Trainer:
             [cast(float, d.reward) for d in trained],  # usable rollouts are rewarded
             self.config,
             rollout_advantages=per_tree,
+            progress=self.progress,
         )
         return metrics, {trained[i].rollout.id: a for i, a in per_tree.items()}
 

@@ -1,0 +1,138 @@
+"""Kill -9 the gateway mid-stream and the trainer mid-step, restart both, and check from the database that
+nothing served was lost and nothing was trained twice.
+
+The gateway runs as `clawgate serve` and the trainer as `clawgate train` (child processes, SQLite), driven over
+HTTP like a harness: a rollout's first call completes, its second (streamed) call is cut by the kill, the client
+retries it against the restarted gateway, which continues the rollout from the database (the retried call's
+parent is the first call, recovered after the restart).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from gateway.store import db
+from tests.online import UpProcess, wait_healthy
+from tests.test_trainer_daemon import Daemon, consumed, recorded_versions, train_cmd
+
+ADMIN = "crash-admin"
+HEADERS = {"Authorization": f"Bearer {ADMIN}"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_gateway(tmp: Path, model: Path, url: str, port: int) -> UpProcess:
+    env = {
+        "CLAWGATE_MODEL": str(model),
+        "CLAWGATE_SERVED_MODEL_NAME": "tiny",
+        "CLAWGATE_DATABASE_URL": url,
+        "CLAWGATE_DATA_DIR": str(tmp / "data"),
+        "CLAWGATE_PORT": str(port),
+        "CLAWGATE_ADMIN_KEY": ADMIN,
+        "CLAWGATE_MAX_TOKENS": "4000",
+        "CLAWGATE_POLICY_POLL_INTERVAL": "0.2",
+    }
+    gw = UpProcess(env=env, cwd=tmp, command="serve")
+    gw.start()
+    wait_healthy(f"http://127.0.0.1:{port}", gw, 120, version=None)
+    return gw
+
+
+def calls_of(url: str, rollout_id: str) -> list[sa.Row]:
+    engine = db.make_engine(url)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT id, status, parent_call_id FROM calls WHERE rollout_id = :r ORDER BY started_at"),
+            {"r": rollout_id},
+        ).all()
+    engine.dispose()
+    return list(rows)
+
+
+@pytest.mark.slow
+def test_kill_gateway_mid_stream_and_trainer_mid_step(tmp_path, tiny_model_dir):
+    url = f"sqlite:///{tmp_path / 'clawgate.db'}"
+    db.upgrade(url)
+    port = free_port()
+    adapters = tmp_path / "adapters"
+    gw = start_gateway(tmp_path, tiny_model_dir, url, port)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
+    convs: dict[str, dict] = {}
+    try:
+        for i in range(6):
+            ro = client.post("/v1/rollouts", json={"task_id": f"t{i % 2}", "harness": "h"}, headers=HEADERS).json()
+            key = {"Authorization": f"Bearer {ro['api_key']}"}
+            path = f"/rollouts/{ro['id']}/v1/chat/completions"
+            messages = [{"role": "user", "content": f"task {i}"}]
+            r = client.post(path, headers=key, json={"model": "tiny", "messages": messages, "max_tokens": 8})
+            assert r.status_code == 200
+            messages += [r.json()["choices"][0]["message"], {"role": "user", "content": "go on"}]
+            convs[ro["id"]] = {"key": key, "path": path, "messages": messages, "first": r.headers["x-clawgate-call-id"]}
+        # The last rollout's next call streams up to 4000 tokens; the gateway is killed while it streams.
+        victim = list(convs)[-1]
+        c = convs[victim]
+        chunks = 0
+        with pytest.raises(httpx.HTTPError):  # the client sees the stream break, not a normal end
+            body = {"model": "tiny", "messages": c["messages"], "max_tokens": 4000, "stream": True}
+            with client.stream("POST", c["path"], headers=c["key"], json=body) as r:
+                for _ in r.iter_lines():
+                    chunks += 1
+                    if chunks == 20:
+                        os.kill(gw.proc.pid, signal.SIGKILL)
+        assert chunks >= 20
+        gw.proc.wait(30)
+        # Every call that was served is recorded once; the one cut by the kill is not recorded as served.
+        for rid, c in convs.items():
+            assert [(row.id, row.status) for row in calls_of(url, rid)] == [(c["first"], "ok")]
+
+        gw = start_gateway(tmp_path, tiny_model_dir, url, port)
+        # The client goes on (retrying the cut call); the restarted gateway, with nothing in memory, finds each
+        # conversation's parent call in the database and splices onto its exact tokens.
+        for c in convs.values():
+            body = {"model": "tiny", "messages": c["messages"], "max_tokens": 8}
+            r = client.post(c["path"], headers=c["key"], json=body)
+            assert r.status_code == 200, r.text
+        for i, (rid, c) in enumerate(convs.items()):
+            client.post(f"/v1/rollouts/{rid}/reward", json={"value": float(i % 3)}, headers=c["key"])
+            client.post(f"/v1/rollouts/{rid}/finish", json={"status": "completed"}, headers=c["key"])
+        for rid, c in convs.items():
+            rows = calls_of(url, rid)
+            assert len(rows) == 2 and all(row.status == "ok" for row in rows)
+            assert rows[1].parent_call_id == c["first"], "continued from the call recorded before the kill"
+    finally:
+        gw.stop()
+        client.close()
+
+    # The trainer is killed inside its step, then restarted: every rollout is trained exactly once.
+    daemon = Daemon(train_cmd(tiny_model_dir, url, adapters, "--min-rollouts", "6"))
+    try:
+        daemon.wait_line("step from policy@")
+        time.sleep(0.3)
+        daemon.proc.kill()
+        daemon.proc.wait(30)
+    finally:
+        daemon.stop()
+    daemon = Daemon(train_cmd(tiny_model_dir, url, adapters, "--min-rollouts", "1", "--group-wait", "0"))
+    try:
+        deadline = time.monotonic() + 180
+        while {r for r, _ in consumed(url)} != set(convs):
+            assert time.monotonic() < deadline, daemon.output
+            time.sleep(0.2)
+    finally:
+        daemon.stop()
+    trained = consumed(url)
+    assert sorted(r for r, _ in trained) == sorted(convs), "each rollout trained exactly once"
+    versions = recorded_versions(url)
+    assert versions == list(range(len(versions))) and len(versions) >= 2
