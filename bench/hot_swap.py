@@ -5,10 +5,12 @@ client sends a call every ~20 ms. Each round publishes a new version the way the
 ``policy@vN`` written atomically, then its ``policy_versions`` row committed — and measures:
 
 - save: writing the version directory (safetensors + manifest);
-- routed: row committed → the gateway routes new calls to it (loaded into the engine and verified by then);
+- load+verify+route: the gateway's own work once it has seen the row (engine load, one-token probe, routing);
+- routed: row committed → the gateway routes new calls to it (includes waiting for the next poll);
 - first call: row committed → start of the first call recorded with that version.
 
-The poll interval bounds the wait (on average half of it); it is run at the default (1 s) and at 0.1 s.
+The poll interval bounds the wait (on average half of it: versions are published at a random phase of the poll);
+it is run at the default (1 s) and at 0.1 s.
 
     .venv/bin/python bench/hot_swap.py [--rounds 8] [--no-vllm]
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import random
 import statistics
 import sys
 import tempfile
@@ -79,9 +82,11 @@ def run(model: Path, work: Path, *, engine_kind: str, vllm_url: str | None, poll
 
     thread = threading.Thread(target=client, daemon=True)
     thread.start()
-    saves, routed, first = [], [], []
+    saves, routed, first, swaps = [], [], [], []
     try:
+        rng = random.Random(0)
         for version in range(rounds):
+            time.sleep(rng.uniform(0, poll))  # publish at a random phase of the gateway's poll
             save_s, committed = publish(store, policy, adapters, model, version)
             state = gw.app.state.clawgate
             deadline = time.monotonic() + 60
@@ -91,6 +96,7 @@ def run(model: Path, work: Path, *, engine_kind: str, vllm_url: str | None, poll
                 time.sleep(0.001)
             routed.append(time.time() - committed)
             saves.append(save_s)
+            swaps.append(state.policy.last_swap_seconds)
             time.sleep(max(poll, 0.3))  # let calls on the new version be recorded
             gw.call(state.writer.flush())
             with Session(store) as session:
@@ -106,8 +112,8 @@ def run(model: Path, work: Path, *, engine_kind: str, vllm_url: str | None, poll
     def fmt(xs: list[float]) -> str:
         return f"median {statistics.median(xs) * 1000:7.1f} ms  max {max(xs) * 1000:7.1f} ms"
 
-    print(f"{engine_kind:6s} poll {poll:4.1f}s  save: {fmt(saves)}  |  routed: {fmt(routed)}  |  "
-          f"first call: {fmt(first)}  ({rounds} versions)", flush=True)
+    print(f"{engine_kind:6s} poll {poll:4.1f}s  save: {fmt(saves)}  |  load+verify+route: {fmt(swaps)}  |  "
+          f"routed: {fmt(routed)}  |  first call: {fmt(first)}  ({rounds} versions)", flush=True)
 
 
 def main() -> int:

@@ -91,6 +91,7 @@ class PolicyFollower:
         self.current: int | None = None
         self.loaded: dict[int, str] = {}  # version -> adapter name, of the versions this gateway loaded, oldest first
         self.failed: set[int] = set()
+        self.last_swap_seconds: float | None = None  # load + verify + route of the latest swap
         self._lock = asyncio.Lock()
 
     # -- the loop ------------------------------------------------------------------------------------------
@@ -137,6 +138,7 @@ class PolicyFollower:
         previous = self.service.adapter
         self.service.adapter, self.service.policy_version = name, version
         self.current = version
+        self.last_swap_seconds = time.perf_counter() - t0
         await asyncio.to_thread(mark_current, self.db, version, loaded_at)
         published = row.created_at.timestamp()
         self.metrics.policy_version.set(version)

@@ -212,3 +212,14 @@ def vllm_server(vllm_python: str, tiny_model_dir: Path, tmp_path_factory: pytest
     server.start(timeout=240)
     yield server
     server.stop()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh migrated database: SQLite, then PostgreSQL (the same test runs on both)."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'store.db'}"
+        db.upgrade(url)
+        yield url
+    else:
+        yield request.getfixturevalue("postgres_url")

@@ -46,9 +46,11 @@ def db_versions(url: str) -> dict[int, tuple[str, bool, bool]]:
     return {r[0]: (r[1], bool(r[2]), r[3] is not None) for r in rows}
 
 
-def test_gateway_follows_published_versions(gateway_factory, tiny_model_dir, tmp_path):
+def test_gateway_follows_published_versions(gateway_factory, tiny_model_dir, tmp_path, store_url):
     adapters = tmp_path / "adapters"
-    gw = gateway_factory(admin_key="adm", policy_poll_interval=0.2, policy_keep_loaded=2, adapter_dir=adapters)
+    gw = gateway_factory(
+        admin_key="adm", policy_poll_interval=0.2, policy_keep_loaded=2, adapter_dir=adapters, database_url=store_url
+    )
     url = gw.settings.database_url
     # Nothing published: the base model serves, and calls say so.
     first = chat(gw)

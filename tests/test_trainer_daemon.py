@@ -106,8 +106,8 @@ def recorded_versions(url: str) -> list[int]:
     return [r[0] for r in rows]
 
 
-def test_daemon_waits_for_its_trigger_then_trains(gateway_factory, tiny_model_dir, tmp_path):
-    gw = gateway_factory(admin_key="adm", policy_follow=False)
+def test_daemon_waits_for_its_trigger_then_trains(gateway_factory, tiny_model_dir, tmp_path, store_url):
+    gw = gateway_factory(admin_key="adm", policy_follow=False, database_url=store_url)
     url, adapters = gw.settings.database_url, tmp_path / "adapters"
     first = [rollout(gw, "A", 1.0), rollout(gw, "A", 0.0)]
     daemon = Daemon(train_cmd(tiny_model_dir, url, adapters, "--min-rollouts", "4", "--max-steps", "2"))
