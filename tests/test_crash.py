@@ -21,7 +21,7 @@ import sqlalchemy as sa
 
 from gateway.store import db
 from tests.online import UpProcess, wait_healthy
-from tests.test_trainer_daemon import Daemon, consumed, recorded_versions, train_cmd
+from tests.test_trainer_daemon import Daemon, consumed, recorded_versions, train_cmd, train_until_consumed
 
 ADMIN = "crash-admin"
 HEADERS = {"Authorization": f"Bearer {ADMIN}"}
@@ -124,14 +124,7 @@ def test_kill_gateway_mid_stream_and_trainer_mid_step(tmp_path, tiny_model_dir):
         daemon.proc.wait(30)
     finally:
         daemon.stop()
-    daemon = Daemon(train_cmd(tiny_model_dir, url, adapters, "--min-rollouts", "1", "--group-wait", "0"))
-    try:
-        deadline = time.monotonic() + 180
-        while {r for r, _ in consumed(url)} != set(convs):
-            assert time.monotonic() < deadline, daemon.output
-            time.sleep(0.2)
-    finally:
-        daemon.stop()
+    train_until_consumed(tiny_model_dir, url, adapters, set(convs))
     trained = consumed(url)
     assert sorted(r for r, _ in trained) == sorted(convs), "each rollout trained exactly once"
     versions = recorded_versions(url)

@@ -336,8 +336,11 @@ async def test_unknown_model_is_not_found(engine: VLLMEngine, prompt: list[int])
 
 async def test_closing_the_stream_aborts_the_request(engine: VLLMEngine, server: VLLMServer, prompt: list[int]) -> None:
     max_tokens = MAX_MODEL_LEN - len(prompt)  # over ten seconds of decoding if nothing stops it
-    # vLLM's engine process runs ahead of its API server; on a loaded machine a request can be complete before
-    # the client reads its first chunk, and then there is nothing left to abort. Such attempts are retried.
+    # vLLM's engine process runs ahead of its API server, and its running-requests gauge lags: on a loaded machine
+    # a request can be complete before the client reads its first chunk, with nothing left to abort, while the
+    # gauge still says it runs. So: up to three attempts; one that stopped early proves the abort, and only if
+    # every observed attempt generated everything does the check fail (an abort that never works fails always).
+    observed: list[float] = []
     for _ in range(3):
         before = await prometheus(server, "vllm:generation_tokens_total")
         request = GenerationRequest("abort-me", prompt, SamplingParams(max_tokens=max_tokens, seed=1))
@@ -349,13 +352,16 @@ async def test_closing_the_stream_aborts_the_request(engine: VLLMEngine, server:
             if await prometheus(server, "vllm:num_requests_running") == 0:
                 break
             await asyncio.sleep(0.05)
-        if still_running:
-            break
-    else:
+        if not still_running:
+            continue
+        generated = await prometheus(server, "vllm:generation_tokens_total") - before
+        if generated < max_tokens:
+            return  # aborted with tokens left: the disconnect reached vLLM
+        observed.append(generated)
+    if not observed:
         # Nothing was left to abort: the machine was too loaded for this check to say anything either way.
         pytest.skip("every request finished before its first chunk was read (machine too loaded to observe)")
-    generated = await prometheus(server, "vllm:generation_tokens_total") - before
-    assert generated < max_tokens, f"all {generated} tokens were generated after the stream was closed"
+    raise AssertionError(f"all {max_tokens} tokens were generated after the stream was closed ({len(observed)} tries)")
 
 
 async def test_lora_adapters_load_route_and_unload(

@@ -106,6 +106,18 @@ def recorded_versions(url: str) -> list[int]:
     return [r[0] for r in rows]
 
 
+def train_until_consumed(model: Path, url: str, adapters: Path, expected: set[str], timeout: float = 180) -> None:
+    """Run an undisturbed daemon until every rollout in ``expected`` has been consumed."""
+    daemon = Daemon(train_cmd(model, url, adapters, "--min-rollouts", "1", "--group-wait", "0"))
+    try:
+        deadline = time.monotonic() + timeout
+        while {r for r, _ in consumed(url)} != expected:
+            assert time.monotonic() < deadline, daemon.output
+            time.sleep(0.2)
+    finally:
+        daemon.stop()
+
+
 def test_daemon_waits_for_its_trigger_then_trains(gateway_factory, tiny_model_dir, tmp_path, store_url):
     gw = gateway_factory(admin_key="adm", policy_follow=False, database_url=store_url)
     url, adapters = gw.settings.database_url, tmp_path / "adapters"
@@ -145,14 +157,7 @@ def test_sigkill_mid_step_loses_nothing_and_trains_nothing_twice(gateway_factory
         finally:
             daemon.stop()
     # A last, undisturbed run consumes whatever the killed ones did not commit.
-    daemon = Daemon(train_cmd(tiny_model_dir, url, adapters, "--min-rollouts", "1", "--group-wait", "0"))
-    try:
-        deadline = time.monotonic() + 180
-        while {r for r, _ in consumed(url)} != set(made):
-            assert time.monotonic() < deadline, daemon.output
-            time.sleep(0.2)
-    finally:
-        daemon.stop()
+    train_until_consumed(tiny_model_dir, url, adapters, set(made))
     trained = consumed(url)
     assert len(trained) == len(made) == len({r for r, _ in trained}), "every rollout trained exactly once"
     versions = recorded_versions(url)
