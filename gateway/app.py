@@ -144,6 +144,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
             max_tokens_cap=settings.max_tokens,
             parser=settings.parser,
             db=store,
+            durable_capture=settings.capture_durable,
         )
         names = {settings.model_name, *(a for a in settings.model_aliases if a != "*")}
         app.state.clawgate = AppState(

@@ -140,6 +140,10 @@ class PlainText:
         return ParsedOutput(content=text, reasoning=None)
 
 
+# How long a durable-capture call waits for its commit before it is served anyway.
+DURABLE_WAIT_S = 5.0
+
+
 class ChatService:
     def __init__(
         self,
@@ -155,6 +159,7 @@ class ChatService:
         adapter: str | None = None,
         policy_version: int | None = None,
         db: sa.Engine | None = None,
+        durable_capture: bool = False,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -169,6 +174,7 @@ class ChatService:
         # Calls running per adapter: a version is unloaded only once none of this gateway's calls use it.
         self.adapter_in_flight: Counter[str] = Counter()
         self.db = db
+        self.durable_capture = durable_capture
         # Implicit rollouts the gateway closed: a conversation that resumes after that starts a new rollout
         # (still spliced from the raw tokens), so nothing is added to a rollout that may already be trained.
         self.closed_rollouts: set[str] = set()
@@ -290,6 +296,7 @@ class ChatService:
         tops: list[dict[int, float]] | None = [] if params.top_logprobs else None
         deltas: list[ParseDelta] = []
         status, error = "failed", None
+        recorded = False
         tail_hash: str | None = None
         end: GenerationEnd | None = None
         t_engine = time.perf_counter()
@@ -340,6 +347,18 @@ class ChatService:
                 finish = "tool_calls"
             tail_hash = self._register(prep, call_id, ids, output)
             status = "ok"
+            if self.durable_capture:
+                # Commit the call before the client sees its end (the last chunk, or the whole response): a served
+                # call then survives even a SIGKILL right after. Concurrent calls share the commit.
+                engine_s = time.perf_counter() - t_engine
+                self._record(prep, index, status, None, end, ids, logprobs, engine_s, t_first, tail_hash)
+                recorded = True
+                try:
+                    await asyncio.wait_for(asyncio.shield(self.writer.flush()), DURABLE_WAIT_S)
+                except TimeoutError:
+                    # The database is down or slow: serve anyway; the call stays queued (and is spooled to disk
+                    # on shutdown) rather than the client waiting for the outage to end.
+                    log.warning("call %s served before its capture was committed (database slow or down)", call_id)
             yield ChoiceResult(index, call_id, finish, output, ids, logprobs, tops, trimmer.stopped)
         except APIError as exc:
             error = exc
@@ -356,8 +375,9 @@ class ChatService:
             if prep.adapter is not None:
                 self.adapter_in_flight[prep.adapter] -= 1
             await stream.aclose()
-            engine_s = time.perf_counter() - t_engine
-            self._record(prep, index, status, error, end, ids, logprobs, engine_s, t_first, tail_hash)
+            if not recorded:
+                engine_s = time.perf_counter() - t_engine
+                self._record(prep, index, status, error, end, ids, logprobs, engine_s, t_first, tail_hash)
 
     def _register(self, prep: Prepared, call_id: str, ids: list[int], output: ParsedOutput) -> str | None:
         """Make this answer findable by the request that echoes it; returns the conversation's tail hash."""

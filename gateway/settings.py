@@ -88,6 +88,9 @@ class Settings(BaseSettings):
     capture_batch_size: int = Field(default=256, ge=1)
     capture_flush_interval: float = Field(default=0.02, gt=0)
     capture_max_queue: int = Field(default=100_000, ge=1)
+    # A call is committed before its response ends (the last chunk waits for it): nothing served is lost even to a
+    # SIGKILL. Off: calls are committed within capture_flush_interval after they end (a kill -9 may lose those).
+    capture_durable: bool = True
 
     # Responses API: how many stored responses are kept in memory for `previous_response_id`.
     responses_store_size: int = Field(default=2048, ge=0)

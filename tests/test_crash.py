@@ -33,7 +33,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_gateway(tmp: Path, model: Path, url: str, port: int) -> UpProcess:
+def start_gateway(tmp: Path, model: Path, url: str, port: int, **settings: str) -> UpProcess:
     env = {
         "CLAWGATE_MODEL": str(model),
         "CLAWGATE_SERVED_MODEL_NAME": "tiny",
@@ -43,6 +43,7 @@ def start_gateway(tmp: Path, model: Path, url: str, port: int) -> UpProcess:
         "CLAWGATE_ADMIN_KEY": ADMIN,
         "CLAWGATE_MAX_TOKENS": "4000",
         "CLAWGATE_POLICY_POLL_INTERVAL": "0.2",
+        **{f"CLAWGATE_{k.upper()}": v for k, v in settings.items()},
     }
     gw = UpProcess(env=env, cwd=tmp, command="serve")
     gw.start()
@@ -59,6 +60,33 @@ def calls_of(url: str, rollout_id: str) -> list[sa.Row]:
         ).all()
     engine.dispose()
     return list(rows)
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_a_call_served_just_before_a_kill(tmp_path, tiny_model_dir, durable):
+    """With durable capture (the default) a call is committed before its response ends, so a SIGKILL right after
+    the client got it loses nothing; without it, the call waits for the writer's next flush (5 s here) and dies
+    with the process."""
+    url = f"sqlite:///{tmp_path / 'clawgate.db'}"
+    db.upgrade(url)
+    port = free_port()
+    gw = start_gateway(
+        tmp_path, tiny_model_dir, url, port, capture_durable=str(durable).lower(), capture_flush_interval="5"
+    )
+    try:
+        for stream in (False, True):
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": stream}
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200 and (not stream or "data: [DONE]" in r.text)
+        os.kill(gw.proc.pid, signal.SIGKILL)
+        gw.proc.wait(30)
+    finally:
+        gw.stop()
+    engine = db.make_engine(url)
+    with engine.connect() as conn:
+        stored = conn.execute(sa.text("SELECT count(*) FROM calls WHERE status = 'ok'")).scalar()
+    engine.dispose()
+    assert stored == (2 if durable else 0)
 
 
 @pytest.mark.slow
