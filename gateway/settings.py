@@ -98,6 +98,9 @@ class Settings(BaseSettings):
     # Implicit sessions (and harness sessions) count as finished after this many idle seconds.
     session_idle_timeout: float = Field(default=1800.0, gt=0)
 
+    # Where `clawgate rollout` reaches the gateway (default http://127.0.0.1:8080).
+    gateway_url: str | None = None
+
     # Auth
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     admin_key: SecretStr | None = None

@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from pathlib import Path
+
+from gateway.settings import Settings
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
 
@@ -105,10 +106,12 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     except SandboxError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    # The CLI is this process's edge: the only place the runner reads the environment.
+    # Settings (CLAWGATE_* variables) are read here, at the process's edge, and passed down.
+    settings = Settings()
+    admin_key = settings.admin_key.get_secret_value() if settings.admin_key is not None else None
     config = RunConfig(
-        gateway_url=args.gateway or os.environ.get("CLAWGATE_GATEWAY_URL") or DEFAULT_GATEWAY,
-        admin_key=os.environ.get("CLAWGATE_ADMIN_KEY") or None,
+        gateway_url=args.gateway or settings.gateway_url or DEFAULT_GATEWAY,
+        admin_key=admin_key or None,
         n=args.n,
         concurrency=args.concurrency,
         eval=args.eval,
