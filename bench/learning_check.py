@@ -33,7 +33,6 @@ sys.path.insert(0, str(ROOT))
 from gateway.app import build_app  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
 from gateway.store import db  # noqa: E402
-from trainer import lora  # noqa: E402
 from trainer.step import TrainConfig, Trainer  # noqa: E402
 
 ADMIN = "learning-check-admin"
@@ -61,12 +60,13 @@ class Gateway:
         assert self.loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)  # type: ignore[arg-type]
 
-    def use_version(self, version: int, path: Path) -> None:
-        """Load policy@vN into the engine and route new calls to it (a minimal in-process hot swap)."""
-        state = self.app.state.clawgate
-        name = lora.version_name(version)
-        self.call(state.engine.load_adapter(name, str(path)))
-        state.service.adapter, state.service.policy_version = name, version
+    def serve_version(self, version: int) -> None:
+        """Have the gateway's policy follower swap to the newest published version now (it would on its next
+        poll anyway): the product's own hot swap (load, probe, route, mark current), without the poll's delay."""
+        follower = self.app.state.clawgate.policy
+        served = self.call(follower.sync())
+        if served != version:
+            raise RuntimeError(f"the gateway serves policy version {served}, not the {version} just published")
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -105,8 +105,11 @@ def run(model: Path, *, steps: int, lr: float, seed: int, prompts: int, group: i
     url = f"sqlite:///{workdir / f'run-{seed}-{lr}.db'}"
     db.upgrade(url)
     adapters = workdir / f"adapters-{seed}-{lr}"
+    # The follower's own polling is slowed down: each step swaps explicitly (serve_version), so that every
+    # sample of a step comes from the version that step is about.
     settings = Settings(model=str(model), served_model_name="tiny", database_url=url, port=free_port(),
-                        data_dir=workdir / f"data-{seed}-{lr}", admin_key=ADMIN, max_tokens=max_tokens)
+                        data_dir=workdir / f"data-{seed}-{lr}", admin_key=ADMIN, max_tokens=max_tokens,
+                        policy_follow=True, policy_poll_interval=3600)
     gw = Gateway(settings)
     engine = db.make_engine(url)
     try:
@@ -117,7 +120,7 @@ def run(model: Path, *, steps: int, lr: float, seed: int, prompts: int, group: i
         texts = [f"Write item {rng.randrange(10_000)} of the list." for _ in range(prompts)]
         trainer = Trainer(TrainConfig(model=str(model), database_url=url, adapter_dir=adapters, lr=lr, seed=seed,
                                       max_rollouts=prompts * group), engine)
-        gw.use_version(0, lora.version_path(adapters, 0))
+        gw.serve_version(0)
         curve = []
         with httpx.Client(base_url=gw.url, timeout=120) as client, \
                 concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
@@ -130,7 +133,7 @@ def run(model: Path, *, steps: int, lr: float, seed: int, prompts: int, group: i
                 curve.append(sum(rewards) / len(rewards))
                 result = trainer.step()
                 assert result is not None
-                gw.use_version(result.version, lora.version_path(adapters, result.version))
+                gw.serve_version(result.version)
                 if log:
                     print(f"  seed {seed} lr {lr:g} step {step:2d}: mean reward {curve[-1]:.3f}  "
                           f"(trained {result.trained_rollouts}/{result.rollouts} rollouts, "

@@ -241,7 +241,11 @@ class VLLMEngine:
         """Ask vLLM to stop ``vllm_id`` without making the caller wait (it may be closing or cancelled)."""
         if self.abort_supported is False or self._client is None:
             return
-        task = asyncio.get_running_loop().create_task(self._abort(vllm_id))
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # closed outside the event loop (garbage collection at exit): nothing to run on
+            return
+        task = loop.create_task(self._abort(vllm_id))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
 
