@@ -435,7 +435,9 @@ async def test_zero_adapter_is_identical_to_base(engine: LocalEngine, prompt: li
         await engine.unload_adapter("policy@v0")
 
 
-async def test_unknown_and_unloaded_adapters(engine: LocalEngine, prompt: list[int], zero_adapter: Path) -> None:
+async def test_unknown_and_unloaded_adapters(
+    engine: LocalEngine, prompt: list[int], zero_adapter: Path, perturbed_adapter: Path
+) -> None:
     with pytest.raises(NotFound):
         await collect(engine, prompt, adapter="no-such-adapter")
     with pytest.raises(NotFound):
@@ -443,9 +445,11 @@ async def test_unknown_and_unloaded_adapters(engine: LocalEngine, prompt: list[i
     with pytest.raises(BadRequest):
         await engine.load_adapter("broken", str(zero_adapter.parent / "missing"))
 
-    await engine.load_adapter("temp", str(zero_adapter))
+    # Two loads of one name from one folder at once (say, a policy follower and an operator): both succeed.
+    await asyncio.gather(engine.load_adapter("temp", str(zero_adapter)), engine.load_adapter("temp", str(zero_adapter)))
+    await engine.load_adapter("temp", str(zero_adapter) + "/")  # the same folder again: a no-op, as with vLLM
     with pytest.raises(BadRequest):
-        await engine.load_adapter("temp", str(zero_adapter))  # the name is taken
+        await engine.load_adapter("temp", str(perturbed_adapter))  # another folder under a name in use
     assert "temp" in await engine.adapters()
     await engine.unload_adapter("temp")
     assert "temp" not in await engine.adapters()

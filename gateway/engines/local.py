@@ -220,6 +220,8 @@ class LocalEngine:
         # Adapter names visible to requests (event-loop side); the worker tracks what the model actually holds.
         self._adapter_names: set[str] = set()
         self._adapter_busy: set[str] = set()  # being loaded or unloaded
+        self._adapter_paths: dict[str, str] = {}  # name -> the folder it was loaded from
+        self._adapter_loads: dict[str, asyncio.Future[None]] = {}  # loads in progress, by name
 
         # Worker-only state.
         self._waiting: deque[_Sequence] = deque()
@@ -259,6 +261,7 @@ class LocalEngine:
         self._model = self._tokenizer = self._cache = None
         # A restart loads a fresh model without adapters.
         self._adapter_names.clear()
+        self._adapter_paths.clear()
         self._internal_names.clear()
         self._applied_valid = False
 
@@ -347,26 +350,44 @@ class LocalEngine:
     # ---- adapters --------------------------------------------------------------------------------------------
 
     async def load_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter in ``path`` as ``name``. As with vLLM, loading the same name from the same folder
+        again is a no-op (it waits for that load if it is still running); another folder under a name in use is
+        refused."""
         if self._model is None or self._closing:
             raise EngineUnavailable("the local engine is not running")
         if not name:
             raise BadRequest("the adapter name is empty", param="name")
+        folder = str(Path(path).resolve())
+        if name in self._adapter_paths and self._adapter_paths[name] == folder:
+            pending = self._adapter_loads.get(name)
+            if pending is not None:
+                await asyncio.shield(pending)
+            if name in self._adapter_names:
+                return
         if name in self._adapter_names or name in self._adapter_busy:
-            raise BadRequest(f"adapter {name!r} is already loaded", param="name")
+            raise BadRequest(f"adapter {name!r} is already loaded (from another folder)", param="name")
         if not (Path(path) / "adapter_config.json").is_file():
             raise BadRequest(f"no PEFT adapter (adapter_config.json) in {path!r}", param="path")
         self._adapter_busy.add(name)
+        self._adapter_paths[name] = folder
+        done = self._adapter_loads[name] = asyncio.get_running_loop().create_future()
         try:
             await self._command("load", name, path)
             self._adapter_names.add(name)
+        except BaseException:
+            del self._adapter_paths[name]
+            raise
         finally:
             self._adapter_busy.discard(name)
+            del self._adapter_loads[name]
+            done.set_result(None)
 
     async def unload_adapter(self, name: str) -> None:
         if name not in self._adapter_names:
             raise NotFound(f"adapter {name!r} is not loaded", param="name")
         # Hidden at once so no new request picks it; requests already accepted for it still finish.
         self._adapter_names.discard(name)
+        self._adapter_paths.pop(name, None)
         self._adapter_busy.add(name)
         try:
             await self._command("unload", name, "")
