@@ -4,6 +4,7 @@ the check that the ids and logprobs the gateway stored are exactly what vLLM sam
 from __future__ import annotations
 
 import itertools
+import time
 
 import httpx
 import openai
@@ -129,3 +130,37 @@ def test_tito_chain_via_vllm(gw):
         assert p1[: len(p0) + len(c0)] == p0 + c0
         assert call.render_mode == "spliced"
     assert gw.state.metrics.drift._value.get() == 0
+
+
+def test_a_client_that_goes_away_stops_the_generation_in_vllm(gateway_factory, vllm_server):
+    """Client → gateway → vLLM: closing the stream at the gateway ends the call as cancelled and stops vLLM
+    (by an explicit abort: vLLM alone may notice the gateway's disconnect only much later)."""
+    gw = gateway_factory(engine="vllm", vllm_url=vllm_server.url, vllm_model="tiny", max_tokens=4096)
+    engine = gw.state.engine
+    client = openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0)
+    budget = 600
+    for seed in range(5):  # a seed whose whole generation runs to the budget (no EOS on the way)
+        full = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=budget, seed=seed)
+        if full.choices[0].finish_reason == "length":
+            break
+    else:
+        pytest.fail("every seed sampled an EOS before the budget")
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": budget, "seed": seed, "stream": True}
+    with httpx.stream("POST", gw.url + "/rollouts/ro-gone-vllm/v1/chat/completions", json=body, timeout=60) as r:
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks >= 3:
+                break
+    for _ in range(200):
+        rows = stored(gw, "rollout_id = 'ro-gone-vllm'")
+        if rows:
+            break
+        time.sleep(0.05)
+    [(call, _, ids, _)] = rows
+    assert call.status == "cancelled" and 0 < len(ids) < budget
+    for _ in range(100):  # the abort runs in the background of the gateway
+        if engine.aborts_sent:
+            break
+        time.sleep(0.05)
+    assert engine.aborts_sent == 1
