@@ -1,4 +1,5 @@
-# The clawgate image: gateway, migrations and trainer (`clawgate serve | db upgrade | train`), for a GPU host.
+# The clawgate image: gateway, migrations, trainer and reward worker (`clawgate serve | db upgrade | train | judge`),
+# for a GPU host.
 #
 # Layers go from the slowest-changing to the fastest: torch (several GB), then the project's dependencies read from
 # pyproject.toml, then the source. Editing code rebuilds only the last layer.
@@ -25,9 +26,10 @@ RUN pip install "${TORCH_REQUIREMENT}"
 
 WORKDIR /src
 COPY pyproject.toml ./
-# The runtime and `train` dependencies alone, so that a source change does not reinstall them.
+# The runtime, `train` and `judge` dependencies alone, so that a source change does not reinstall them.
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies'] + p['optional-dependencies']['train']))" > /tmp/requirements.txt \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['train'] + p['optional-dependencies']['judge']))" \
+    > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
@@ -35,8 +37,9 @@ COPY README.md ./
 COPY migrations ./migrations
 COPY trainer ./trainer
 COPY runner ./runner
+COPY rewards ./rewards
 COPY gateway ./gateway
-RUN pip install ".[train]" && rm -rf build *.egg-info
+RUN pip install ".[train,judge]" && rm -rf build *.egg-info
 
 USER clawgate
 # Relative defaults (SQLite file, tiny model, spool) land in the writable /data.

@@ -145,6 +145,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
             parser=settings.parser,
             db=store,
             durable_capture=settings.capture_durable,
+            tool_error_reward=settings.tool_error_reward,
         )
         names = {settings.model_name, *(a for a in settings.model_aliases if a != "*")}
         app.state.clawgate = AppState(

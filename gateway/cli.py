@@ -6,6 +6,8 @@
     clawgate tree ID      print a rollout's reconstructed prefix tree
     clawgate export       rollouts with calls, rewards and trees as JSONL
     clawgate train        the trainer daemon: GRPO/PPO steps as rollouts become ready; publishes policy@vN
+    clawgate judge        the reward worker: scores turns of everyday traffic with an LLM judge / reward functions
+    clawgate turns        turns of everyday traffic with their next state, rewards and judge reasons
     clawgate rollout      run a task set through agent harnesses in sandboxes, verify, post rewards
     clawgate tiny-model   build the small local test model
 
@@ -37,6 +39,11 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, help="port (CLAWGATE_PORT)")
     p.add_argument("--max-tokens", type=int, help="server-side generation cap (CLAWGATE_MAX_TOKENS)")
     p.add_argument("--log-level", help="debug, info, warning (CLAWGATE_LOG_LEVEL)")
+    p.add_argument(
+        "--tool-error-reward",
+        type=float,
+        help="reward of a turn whose tool results report a failure; 0 turns the rule off (CLAWGATE_TOOL_ERROR_REWARD)",
+    )
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -52,7 +59,9 @@ def _settings(args: argparse.Namespace) -> Settings:
         "max_tokens",
         "log_level",
         "adapter_dir",
+        "tool_error_reward",
         *TRAIN_FLAGS,
+        *JUDGE_FLAGS,
     ):
         value = getattr(args, name, None)
         if value is not None:
@@ -86,7 +95,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     """Embedded mode: migrate, build the tiny model if needed, start the trainer (a supervised child process,
     so training never holds the serving process's GIL) and a managed vLLM server when asked, then serve."""
     from gateway.store import db
-    from gateway.supervise import TrainerProcess
+    from gateway.supervise import ChildProcess
 
     settings = _settings(args)
     _setup_logging(settings.log_level)
@@ -104,17 +113,21 @@ def cmd_up(args: argparse.Namespace) -> int:
         if vllm is None:
             return 2
         settings = settings.model_copy(update={"vllm_url": vllm.url})
-    trainer = None if args.no_train else TrainerProcess(settings)
+    children = []
+    if not args.no_train:
+        children.append(ChildProcess(settings, "train"))
+    if settings.reward_worker_enabled:
+        children.append(ChildProcess(settings, "judge"))
     # uvicorn re-raises the SIGTERM it handled once it has shut down; ending with SystemExit instead lets the
-    # `finally` below stop the trainer and vLLM (a bare re-raised SIGTERM would orphan them).
+    # `finally` below stop the workers and vLLM (a bare re-raised SIGTERM would orphan them).
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        if trainer is not None:
-            trainer.start()
+        for child in children:
+            child.start()
         return _serve(settings)
     finally:
-        if trainer is not None:
-            trainer.stop()
+        for child in children:
+            child.stop()
         if vllm is not None:
             vllm.stop()
 
@@ -278,6 +291,18 @@ TRAIN_FLAGS = (
     "train_lora_rank",
     "train_lora_alpha",
     "train_seed",
+    "train_advantage",
+    "train_min_turns",
+    "train_await_judge",
+)
+JUDGE_FLAGS = (
+    "judge_model",
+    "judge_api_base",
+    "judge_api_key_env",
+    "judge_rubric",
+    "judge_concurrency",
+    "judge_timeout",
+    "reward_functions",
 )
 
 
@@ -314,11 +339,52 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-rank", dest="train_lora_rank", type=int, help="(CLAWGATE_TRAIN_LORA_RANK)")
     g.add_argument("--lora-alpha", dest="train_lora_alpha", type=int, help="(CLAWGATE_TRAIN_LORA_ALPHA)")
     g.add_argument("--seed", dest="train_seed", type=int, help="(CLAWGATE_TRAIN_SEED)")
+    g.add_argument(
+        "--advantage",
+        dest="train_advantage",
+        choices=["group", "batch", "critic"],
+        help="group: GRPO for task runs, a batch baseline for everyday turns (default); batch: a batch baseline "
+        "for both; critic: PPO's value head (CLAWGATE_TRAIN_ADVANTAGE)",
+    )
+    g.add_argument(
+        "--min-turns", dest="train_min_turns", type=int, help="ready turns of everyday traffic a step waits for"
+    )
+    g.add_argument(
+        "--await-judge",
+        dest="train_await_judge",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="turns wait for the judge's verdict (default: when a judge model or reward function is set)",
+    )
+
+
+def _judge_flags(p: argparse.ArgumentParser) -> None:
+    """Reward-worker flags, shared by `judge` and `up`; each defaults to its CLAWGATE_JUDGE_* setting."""
+    g = p.add_argument_group("rewards for everyday traffic")
+    g.add_argument(
+        "--judge-model", help="LiteLLM model string of the judge, e.g. openai/gpt-4o-mini (CLAWGATE_JUDGE_MODEL)"
+    )
+    g.add_argument(
+        "--judge-api-base", help="the judge's API base URL, for self-hosted models (CLAWGATE_JUDGE_API_BASE)"
+    )
+    g.add_argument(
+        "--judge-api-key-env", help="name of the env var holding the judge's API key (CLAWGATE_JUDGE_API_KEY_ENV)"
+    )
+    g.add_argument("--judge-rubric", type=Path, help="a file with the judge's instructions (CLAWGATE_JUDGE_RUBRIC)")
+    g.add_argument("--judge-concurrency", type=int, help="judge calls at once (CLAWGATE_JUDGE_CONCURRENCY, default 4)")
+    g.add_argument("--judge-timeout", type=float, help="seconds per judge call (CLAWGATE_JUDGE_TIMEOUT, default 60)")
+    g.add_argument(
+        "--reward-fn",
+        dest="reward_functions",
+        action="append",
+        help="a reward function module:function or file.py:function, called per turn (repeatable; "
+        "CLAWGATE_REWARD_FUNCTIONS, comma-separated)",
+    )
 
 
 def _train_settings(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {}
-    for name in ("model", "database_url", "adapter_dir", "log_level", *TRAIN_FLAGS):
+    for name in ("model", "database_url", "adapter_dir", "log_level", *TRAIN_FLAGS, *JUDGE_FLAGS):
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
@@ -346,6 +412,8 @@ def train_config(settings: Settings, *, once: bool = False) -> Any:
         algorithm=settings.train_algorithm,
         device=settings.train_device,
         gradient_checkpointing=settings.train_gradient_checkpointing,
+        advantage="critic" if settings.train_algorithm == "ppo" else settings.train_advantage,
+        await_judge=settings.awaits_judge,
     )
     return config
 
@@ -393,12 +461,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = loop.LoopConfig(
             min_rollouts=settings.train_min_rollouts,
             min_groups=settings.train_min_groups,
+            min_turns=settings.train_min_turns,
             interval=settings.train_interval,
             group_wait=settings.train_group_wait,
             max_steps=args.max_steps,
         )
         print(
-            f"training when {cfg.min_rollouts} rollouts in {cfg.min_groups} groups are ready "
+            f"training when {cfg.min_rollouts} rollouts in {cfg.min_groups} groups, or {cfg.min_turns} turns "
+            f"of everyday traffic{' (judged)' if config.await_judge else ''}, are ready "
             f"(looking every {cfg.interval:g}s)",
             file=sys.stderr,
             flush=True,
@@ -416,6 +486,104 @@ def cmd_train(args: argparse.Namespace) -> int:
         engine.dispose()
 
 
+def _judge_settings(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {}
+    for name in ("model", "database_url", "log_level", *JUDGE_FLAGS):
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides[name] = value
+    return Settings(**overrides)
+
+
+def cmd_judge(args: argparse.Namespace) -> int:
+    """The reward worker: runs until SIGTERM (or, with --once, until nothing judgeable is left)."""
+    import asyncio
+
+    from rewards.worker import build_worker
+
+    settings = _judge_settings(args)
+    _setup_logging(settings.log_level)
+    try:
+        worker, engine = build_worker(settings)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    what = ", ".join(
+        ([f"judge {settings.judge_model}"] if settings.judge_model else [])
+        + [f"function {spec}" for spec in settings.reward_functions]
+    )
+    print(f"judging turns of everyday traffic with {what}", file=sys.stderr, flush=True)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            if args.once:
+                await worker.run_once()
+                return
+            reporter = asyncio.create_task(_report(worker, stop))
+            try:
+                await worker.run(stop)
+            finally:
+                reporter.cancel()
+        finally:
+            await worker.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        print(f"judge: {worker.describe()}", file=sys.stderr, flush=True)
+        engine.dispose()
+    return 0
+
+
+async def _report(worker: Any, stop: Any, every: float = 30.0) -> None:
+    """A progress line whenever verdicts were recorded since the last one (at most every ``every`` seconds)."""
+    import asyncio
+    import contextlib
+
+    last = -1
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every)
+        if worker.stats.verdicts != last:
+            last = worker.stats.verdicts
+            print(f"judge: {worker.describe()}", file=sys.stderr, flush=True)
+
+
+def cmd_turns(args: argparse.Namespace) -> int:
+    import json
+
+    from gateway.store import db
+    from rewards.report import turn_rows
+
+    engine = db.make_engine(_db_url(args))
+    try:
+        rows = turn_rows(engine, rollout_id=args.rollout_id, limit=args.limit)
+    finally:
+        engine.dispose()
+    if args.json:
+        for row in rows:
+            print(json.dumps(row, ensure_ascii=False))
+        return 0
+    if not rows:
+        print("no turns" + (f" in rollout {args.rollout_id}" if args.rollout_id else ""))
+        return 0
+    for row in rows:
+        rewards = ", ".join(f"{k}={v:+.3g}" for k, v in row["rewards"].items()) or "none"
+        print(
+            f"{row['call_id']}  rollout {row['rollout_id']}  v{row['policy_version']}  {row['state']}  "
+            f"reward {row['reward'] if row['reward'] is None else format(row['reward'], '+.3g')} ({rewards})"
+        )
+        if row["judge_reason"]:
+            print(f"    judge: {row['judge_reason']}")
+        if row["judge_error"]:
+            print(f"    judge error: {row['judge_error']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clawgate", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -428,6 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_flags(up)
     up.add_argument("--no-train", action="store_true", help="serve only; do not start the trainer")
     _train_flags(up)
+    _judge_flags(up)
     up.set_defaults(func=cmd_up)
 
     dbp = sub.add_parser("db", help="database schema")
@@ -463,6 +632,21 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--log-level", help="(CLAWGATE_LOG_LEVEL)")
     _train_flags(train)
     train.set_defaults(func=cmd_train)
+
+    judge = sub.add_parser("judge", help="the reward worker: judge turns of everyday traffic (LLM judge, functions)")
+    judge.add_argument("--once", action="store_true", help="judge what is judgeable now and exit")
+    judge.add_argument("--model", help="the served model, whose tokenizer decodes turns (CLAWGATE_MODEL)")
+    judge.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
+    judge.add_argument("--log-level", help="(CLAWGATE_LOG_LEVEL)")
+    _judge_flags(judge)
+    judge.set_defaults(func=cmd_judge)
+
+    turns = sub.add_parser("turns", help="turns of everyday traffic: next state, rewards, judge reasons, training")
+    turns.add_argument("rollout_id", nargs="?", help="only this rollout's turns")
+    turns.add_argument("--limit", type=int, default=20, help="the newest N turns (default 20)")
+    turns.add_argument("--json", action="store_true", help="one JSON object per turn")
+    turns.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
+    turns.set_defaults(func=cmd_turns)
 
     from runner.cli import register as register_rollout
 

@@ -31,6 +31,10 @@ class Message:
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_id: str | None = None
     name: str | None = None
+    # A tool result the harness marked as failed (Anthropic ``is_error``, a failed Responses output). Not part of
+    # what the model sees beyond the text the API translation gives it, nor of the echo hashes: it feeds the
+    # next-state rules (``next_state.py``).
+    is_error: bool = False
 
     def to_template(self) -> dict[str, Any]:
         """The message in the shape Hugging Face chat templates expect."""

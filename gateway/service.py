@@ -31,6 +31,7 @@ from gateway.detokenize import IncrementalDetokenizer
 from gateway.engines.base import Engine, GenerationEnd, GenerationRequest, SamplingParams, TokenDelta
 from gateway.errors import APIError, ContextTooLong, EngineError
 from gateway.metrics import Metrics
+from gateway.next_state import RULE_SOURCE, next_state, tool_errors
 from gateway.parsers import get_parser
 from gateway.parsers.base import OutputParser, ParseDelta, ParsedOutput, ToolCallDelta, collect
 from gateway.render import Renderer
@@ -38,7 +39,7 @@ from gateway.sessions import CallEntry, PromptPlan, SessionIndex, plan_prompt
 from gateway.stops import StopTrimmer
 from gateway.store import codec, repo
 from gateway.store.models import Call, Rollout
-from gateway.store.writer import CallRecord, CallWriter, RolloutRecord
+from gateway.store.writer import CallRecord, CallWriter, RewardRecord, RolloutRecord
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -160,6 +161,7 @@ class ChatService:
         policy_version: int | None = None,
         db: sa.Engine | None = None,
         durable_capture: bool = False,
+        tool_error_reward: float = 0.0,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -175,6 +177,8 @@ class ChatService:
         self.adapter_in_flight: Counter[str] = Counter()
         self.db = db
         self.durable_capture = durable_capture
+        # The reward a turn gets when the tool results in its next state report a failure (0: the rule is off).
+        self.tool_error_reward = tool_error_reward
         # Implicit rollouts the gateway closed: a conversation that resumes after that starts a new rollout
         # (still spliced from the raw tokens), so nothing is added to a rollout that may already be trained.
         self.closed_rollouts: set[str] = set()
@@ -402,6 +406,22 @@ class ChatService:
         self.index.add(prep.job.rollout.id, tail, out, entry)
         return tail.hex()
 
+    def _rule_reward(self, prep: Prepared) -> RewardRecord | None:
+        """The parent turn's reward from the next-state rules, when its tool results report a failure."""
+        parent = prep.plan.parent
+        if parent is None or not self.tool_error_reward:
+            return None
+        errors = tool_errors(next_state(prep.job.messages, prep.plan.splice_at))
+        if not errors:
+            return None
+        return RewardRecord(
+            rollout_id=parent.rollout_id,
+            call_id=parent.call_id,
+            value=self.tool_error_reward,
+            source=RULE_SOURCE,
+            details={"next_call_id": prep.call_ids[0], "errors": [e.as_dict() for e in errors]},
+        )
+
     def _record(
         self,
         prep: Prepared,
@@ -454,7 +474,11 @@ class ChatService:
                 id=prep.rollout_id, kind=job.rollout.kind if job.rollout.id is not None else "implicit"
             ),
         )
+        # The parent turn's rule reward goes first: whoever sees this call (the parent's next state) sees it too.
+        rule = self._rule_reward(prep) if index == 0 else None
         try:
+            if rule is not None:
+                self.writer.submit(rule)
             self.writer.submit(record)
         except APIError:
             log.error("capture queue full: call %s could not be queued", call_id)

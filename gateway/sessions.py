@@ -40,6 +40,9 @@ class PromptPlan:
     mode: str  # fresh | spliced | drifted
     parent: CallEntry | None
     hashes: list[bytes]  # prefix hashes of the request's messages
+    # Index of the request message that echoes the parent's answer (-1: none); the messages after it are what
+    # the harness added since: the parent turn's next state.
+    splice_at: int = -1
 
 
 class SessionIndex:
@@ -119,7 +122,7 @@ def plan_prompt(
             messages, tools, Splice(splice_at, parent.token_ids, parent.ends_with_end_of_turn)
         )
         if ids is not None:
-            return PromptPlan(ids, "drifted" if drifted else "spliced", parent, hashes)
+            return PromptPlan(ids, "drifted" if drifted else "spliced", parent, hashes, splice_at)
         drifted = True
         parent = None
     return PromptPlan(renderer.render_fresh(messages, tools), "drifted" if drifted else "fresh", parent, hashes)

@@ -81,6 +81,43 @@ class Settings(BaseSettings):
     train_lora_rank: int = Field(default=8, ge=1)
     train_lora_alpha: int = Field(default=16, ge=1)
     train_seed: int = 0
+    # Advantages: "group" (GRPO within a rollout's task–harness group; rollouts without a group, i.e. everyday
+    # traffic, are trained turn by turn against a batch baseline), "batch" (everything against a batch baseline
+    # per harness), "critic" (PPO's value head: the same as train_algorithm=ppo).
+    train_advantage: Literal["group", "batch", "critic"] = "group"
+    # A step starts when this many turns (calls of rollouts without a group) are ready, like train_min_rollouts.
+    train_min_turns: int = Field(default=16, ge=1)
+    # Turns wait for the reward worker's verdict before they are trained (default: when a judge or a reward
+    # function is configured, so a turn is never trained before its judge score exists).
+    train_await_judge: bool | None = None
+
+    # Rewards for turns of everyday traffic (`clawgate judge`, started by `clawgate up` when configured).
+    # An LLM judge reached through LiteLLM: any model string it knows ("openai/gpt-4o-mini", "anthropic/…",
+    # "hosted_vllm/NAME" with judge_api_base, …).
+    judge_model: str | None = None
+    judge_api_base: str | None = None
+    # The name of the environment variable that holds the judge's API key (its value is never logged).
+    judge_api_key_env: str | None = None
+    # A file with the rubric (the judge's instructions); the built-in one is for agent work.
+    judge_rubric: Path | None = None
+    judge_concurrency: int = Field(default=4, ge=1)
+    # Seconds one judge call may take before it counts as failed (and is retried).
+    judge_timeout: float = Field(default=60.0, gt=0)
+    # Attempts at a turn whose answers cannot be parsed (or that the judge refuses) before it is given up on.
+    judge_max_attempts: int = Field(default=3, ge=1)
+    # Tokens of the conversation before the reply, of the reply and of the next state shown to the judge (the
+    # start and the end of a longer text are kept).
+    judge_context_tokens: int = Field(default=1536, ge=0)
+    judge_reply_tokens: int = Field(default=1024, ge=16)
+    judge_next_state_tokens: int = Field(default=1024, ge=16)
+    judge_max_answer_tokens: int = Field(default=256, ge=16)
+    judge_temperature: float = Field(default=0.0, ge=0)
+    # Seconds between the reward worker's looks for turns to judge when it found none.
+    judge_interval: float = Field(default=1.0, gt=0)
+    # Python reward functions `module:function`, called once per turn with its reply and next state.
+    reward_functions: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Next-state rule: the reward of a turn whose tool results report a failure (0 turns the rule off).
+    tool_error_reward: float = -1.0
 
     # Store
     database_url: str = "sqlite:///./clawgate.db"
@@ -107,10 +144,16 @@ class Settings(BaseSettings):
 
     log_level: str = "info"
 
-    @field_validator("api_keys", "model_aliases", mode="before")
+    @field_validator("api_keys", "model_aliases", "reward_functions", mode="before")
     @classmethod
     def _csv(cls, value: object) -> object:
         return _split_csv(value)
+
+    @field_validator("judge_model", "judge_api_base", "judge_api_key_env", "judge_rubric", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        # docker compose passes `${VAR:-}` as an empty string: that means "not configured", not a model named "".
+        return None if isinstance(value, str) and not value.strip() else value
 
     @model_validator(mode="after")
     def _production_secrets(self) -> Settings:
@@ -123,6 +166,16 @@ class Settings(BaseSettings):
             if weak:
                 raise ValueError("CLAWGATE_API_KEYS contains a placeholder key")
         return self
+
+    @property
+    def reward_worker_enabled(self) -> bool:
+        """Whether turns get rewards from the reward worker (a judge model or reward functions)."""
+        return self.judge_model is not None or bool(self.reward_functions)
+
+    @property
+    def awaits_judge(self) -> bool:
+        """Whether the trainer waits for the reward worker's verdict on a turn before training it."""
+        return self.reward_worker_enabled if self.train_await_judge is None else self.train_await_judge
 
     @property
     def model_name(self) -> str:

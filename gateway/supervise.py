@@ -1,9 +1,11 @@
-"""The trainer as a supervised child process of `clawgate up`.
+"""Background workers as supervised child processes of `clawgate up`: the trainer, and the reward worker.
 
 Training is torch work that holds the GIL for seconds at a time; in the serving process it would stall every
-stream. So `clawgate up` runs `clawgate train` as a child with the same settings (passed as ``CLAWGATE_*``
-variables), restarts it with a capped backoff if it dies (a crash mid-step is safe: see ``trainer/publish.py``),
-and stops it with SIGTERM (then SIGKILL) when the gateway exits.
+stream. The reward worker (`clawgate judge`) imports LiteLLM and decodes long prompts; it too stays out of the
+serving process. So `clawgate up` runs `clawgate train` and `clawgate judge` as children with the same settings
+(passed as ``CLAWGATE_*`` variables), restarts one that dies with a capped backoff (a crash mid-step or mid-turn
+is safe: see ``trainer/publish.py`` and ``rewards/claims.py``), and stops them with SIGTERM (then SIGKILL) when
+the gateway exits.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from gateway.settings import Settings
 
 log = logging.getLogger("clawgate")
 
-# Exit code of `clawgate train` when another trainer holds the adapter directory: restarting would not help.
-TRAINER_BUSY = 3
+# Exit code of a worker that must not be restarted: another trainer holds the adapter directory, or the
+# configuration is wrong (`clawgate judge` without a judge model or reward function, a function that does not load).
+NO_RESTART = (2, 3)
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -41,9 +44,14 @@ def settings_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-class TrainerProcess:
-    def __init__(self, settings: Settings, *, min_backoff: float = 5.0, max_backoff: float = 300.0) -> None:
+class ChildProcess:
+    """`clawgate <subcommand>` kept running beside the gateway."""
+
+    def __init__(
+        self, settings: Settings, subcommand: str, *, min_backoff: float = 5.0, max_backoff: float = 300.0
+    ) -> None:
         self.settings = settings
+        self.subcommand = subcommand
         self.min_backoff = min_backoff
         self.max_backoff = max_backoff
         self.restarts = 0
@@ -52,10 +60,10 @@ class TrainerProcess:
         self._thread: threading.Thread | None = None
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "gateway.cli", "train"]
+        return [sys.executable, "-m", "gateway.cli", self.subcommand]
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._supervise, name="clawgate-trainer", daemon=True)
+        self._thread = threading.Thread(target=self._supervise, name=f"clawgate-{self.subcommand}", daemon=True)
         self._thread.start()
 
     def _spawn(self) -> subprocess.Popen[bytes]:
@@ -66,18 +74,18 @@ class TrainerProcess:
         backoff = self.min_backoff
         while not self._stop.is_set():
             self._process = self._spawn()
-            log.info("trainer started (pid %d)", self._process.pid)
+            log.info("%s started (pid %d)", self.subcommand, self._process.pid)
             code = self._process.wait()
             if self._stop.is_set():
                 return
             if code == 0:
-                log.info("trainer exited")
+                log.info("%s exited", self.subcommand)
                 return
-            if code == TRAINER_BUSY:
-                log.error("trainer not started: another trainer uses %s", self.settings.adapter_dir)
+            if code in NO_RESTART:
+                log.error("%s exited with code %d (see above); not restarting it", self.subcommand, code)
                 return
             self.restarts += 1
-            log.error("trainer exited with code %d; restarting in %.0fs", code, backoff)
+            log.error("%s exited with code %d; restarting in %.0fs", self.subcommand, code, backoff)
             if self._stop.wait(backoff):
                 return
             backoff = min(backoff * 2, self.max_backoff)

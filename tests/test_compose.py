@@ -39,7 +39,9 @@ ENV_EXAMPLE = ROOT / ".env.example"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
-CLAWGATE_SERVICES = {"migrate", "trainer", "gateway"}
+CLAWGATE_SERVICES = {"migrate", "trainer", "gateway", "judge"}
+# Variables docker compose itself reads from .env (not substituted into the file).
+COMPOSE_OWN = {"COMPOSE_PROFILES"}
 SECRETS = ("CLAWGATE_ADMIN_KEY", "CLAWGATE_API_KEYS", "POSTGRES_PASSWORD")
 ADAPTERS_VOLUME = "adapters"
 
@@ -209,6 +211,25 @@ def test_clawgate_services_run_commands_the_cli_accepts() -> None:
     assert parsed["gateway"].engine == "vllm"
     assert parsed["trainer"].func is cli.cmd_train
     assert parsed["trainer"].once is False, "the trainer service runs the daemon, not one step"
+    assert parsed["judge"].func is cli.cmd_judge
+    assert parsed["judge"].once is False, "the judge service runs the worker, not one pass"
+    assert services["judge"]["profiles"] == ["judge"], "the reward worker runs only when asked for"
+
+
+def test_the_judge_service_and_the_trainer_agree_on_the_judge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, nobody waits for a judge; set, the trainer waits for the verdicts the judge service records."""
+    services = compose(filled_env())["services"]
+    trainer, judge = (settings_for(services[name], monkeypatch) for name in ("trainer", "judge"))
+    assert trainer.judge_model is None and not trainer.awaits_judge
+    assert judge.judge_model is None and not judge.reward_worker_enabled
+    assert service_env(services["judge"])["JUDGE_API_KEY"] == "", "no key: a self-hosted judge"
+
+    services = compose(filled_env(CLAWGATE_JUDGE_MODEL="openai/gpt-4o-mini", JUDGE_API_KEY="sk-test"))["services"]
+    trainer, judge = (settings_for(services[name], monkeypatch) for name in ("trainer", "judge"))
+    assert trainer.awaits_judge and judge.judge_model == trainer.judge_model == "openai/gpt-4o-mini"
+    assert judge.judge_api_key_env == "JUDGE_API_KEY"
+    assert service_env(services["judge"])["JUDGE_API_KEY"] == "sk-test"
+    assert "JUDGE_API_KEY" not in service_env(services["trainer"]), "the judge's key goes to the judge only"
 
 
 def test_every_clawgate_variable_is_a_setting() -> None:
@@ -288,7 +309,7 @@ def test_every_substitution_is_documented_or_defaulted() -> None:
     assert found
     undocumented = sorted({name for name, op in found if op not in ("-", ":-") and name not in example})
     assert not undocumented, f"neither in .env.example nor with a default: {undocumented}"
-    unused = sorted(set(example) - {name for name, _ in found})
+    unused = sorted(set(example) - {name for name, _ in found} - COMPOSE_OWN)
     assert not unused, f".env.example documents variables docker-compose.yml never reads: {unused}"
 
 
@@ -306,6 +327,7 @@ def test_services_start_in_dependency_order() -> None:
         "vllm": {},
         "migrate": {"postgres": "service_healthy"},
         "trainer": {"migrate": "service_completed_successfully"},
+        "judge": {"migrate": "service_completed_successfully"},
         "gateway": {
             "migrate": "service_completed_successfully",
             "vllm": "service_healthy",
@@ -560,10 +582,10 @@ def test_dockerfile_installs_torch_and_dependencies_before_the_source() -> None:
         return found[0]
 
     torch_step = index(lambda i, a: i == "RUN" and "pip install" in a and "${TORCH_REQUIREMENT}" in a)
-    deps_step = index(lambda i, a: i == "RUN" and "optional-dependencies" in a and "'train'" in a)
+    deps_step = index(lambda i, a: i == "RUN" and "optional-dependencies" in a and "'train'" in a and "'judge'" in a)
     pyproject_copy = index(lambda i, a: i == "COPY" and a.split()[0] == "pyproject.toml")
     source_copy = index(lambda i, a: i == "COPY" and a.split()[0] in ("gateway", "trainer", "migrations"))
-    project_step = index(lambda i, a: i == "RUN" and 'pip install ".[train]"' in a)
+    project_step = index(lambda i, a: i == "RUN" and 'pip install ".[train,judge]"' in a)
     assert torch_step < pyproject_copy < deps_step < source_copy < project_step
 
     # Everything the Dockerfile copies is in the build context, and secrets and local state are not.

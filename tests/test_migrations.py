@@ -14,7 +14,16 @@ from gateway.store import db
 from gateway.store.models import Base
 from tests import pg
 
-TABLES = {"rollouts", "calls", "rewards", "policy_versions", "train_steps", "trained_rollouts"}
+TABLES = {
+    "rollouts",
+    "calls",
+    "rewards",
+    "policy_versions",
+    "train_steps",
+    "trained_rollouts",
+    "judgements",
+    "trained_turns",
+}
 
 
 def _schema_diff(url: str) -> list[object]:

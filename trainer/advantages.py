@@ -42,6 +42,7 @@ __all__ = [
     "AdvantageResult",
     "BranchAdvantage",
     "GroupStats",
+    "batch_advantages",
     "broadcast",
     "gae",
     "group_advantages",
@@ -156,6 +157,21 @@ def group_advantages(
         for i, a in zip(ids, adv.tolist(), strict=True):
             advantages[i] = a
     return AdvantageResult(advantages=advantages, skipped=skipped, groups=stats)
+
+
+def batch_advantages(
+    rewards: Mapping[str, float], keys: Mapping[str, str], *, scale_by_std: bool = True, eps: float = 1e-6
+) -> AdvantageResult:
+    """A batch baseline for data without groups (turns of everyday traffic: one sample per prompt).
+
+    Rewards are normalized across the batch, separately per key (the harness: its reward scale and interaction
+    pattern differ), as REINFORCE++'s global normalization (Hu et al. 2025, arXiv 2501.03262) and MetaClaw's
+    batch groups do: ``A_i = (r_i − mean_k(r)) / (std_k(r) + eps)`` over the items of key k in the batch. That
+    is ``group_advantages`` with the key as the group, including its rules: a key with a single item (no
+    baseline) or without reward variance carries no signal and is skipped, never trained with advantage 0 —
+    which is why the trainer waits for ``min_turns`` ready turns before it steps.
+    """
+    return group_advantages(rewards, keys, scale_by_std=scale_by_std, eps=eps)
 
 
 def _scale(r: FloatArray) -> float:

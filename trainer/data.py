@@ -13,12 +13,17 @@ from sqlalchemy.orm import Session
 
 from gateway.store import codec, repo
 from gateway.store.models import Call, Reward, Rollout
+from gateway.store.turns import TurnReward, turn_rewards
 from trainer.filters import TreeConfig
 from trainer.tree import CallView, RolloutTree, build_tree
 
 
-def call_views(session: Session, rollout_id: str) -> list[CallView]:
+def call_views(session: Session, rollout_id: str, only: set[str] | None = None) -> list[CallView]:
+    """The rollout's calls as the tree needs them (``only``: just these calls)."""
     cache = repo.CallCache.for_rollout(session, rollout_id)
+    calls = repo.calls_for_rollout(session, rollout_id)
+    if only is not None:
+        calls = [c for c in calls if c.id in only]
     return [
         CallView(
             id=c.id,
@@ -32,7 +37,7 @@ def call_views(session: Session, rollout_id: str) -> list[CallView]:
             agent_id=c.agent_id,
             finish_reason=c.finish_reason,
         )
-        for c in repo.calls_for_rollout(session, rollout_id)
+        for c in calls
     ]
 
 
@@ -66,6 +71,53 @@ def load_rollout(db: sa.Engine, rollout_id: str, config: TreeConfig | None = Non
         return RolloutData(rollout, tree, rollout_reward(session, rollout_id), served)
 
 
+# A tree of turns keeps every call it is given: each was rewarded on its own, from its own next state, so none of
+# the rules that guard a rollout-level reward's credit (retries, compaction, sub-agents, branching) applies.
+TURN_TREE = TreeConfig(drop_dead_leaves=False, drop_compaction=False, keep_subagents=True, max_leaves=None)
+
+
+@dataclass(slots=True)
+class TurnData:
+    """A ready turn (one call of a rollout without a group) and its reward."""
+
+    call_id: str
+    rollout_id: str
+    api: str
+    harness: str | None
+    policy_version: int | None
+    reward: TurnReward | None
+
+    @property
+    def baseline_key(self) -> str:
+        """The batch baseline's key: the harness, else the API it spoke (harnesses differ in reward scale)."""
+        return self.harness or f"api:{self.api}"
+
+
+def load_turns(db: sa.Engine, call_ids: list[str]) -> list[TurnData]:
+    if not call_ids:
+        return []
+    with Session(db) as session:
+        rows = session.execute(
+            sa.select(Call.id, Call.rollout_id, Call.api, Rollout.harness, Call.policy_version)
+            .join(Rollout, Rollout.id == Call.rollout_id)
+            .where(Call.id.in_(call_ids))
+        ).all()
+        rewards = turn_rewards(session, call_ids)
+    return [TurnData(r[0], r[1], r[2], r[3], r[4], rewards.get(r[0])) for r in rows]
+
+
+def turn_trees(db: sa.Engine, calls: list[TurnData]) -> list[tuple[str, RolloutTree]]:
+    """One tree per rollout holding just the given turns (shared prefixes once; other calls are context)."""
+    by_rollout: dict[str, set[str]] = {}
+    for t in calls:
+        by_rollout.setdefault(t.rollout_id, set()).add(t.call_id)
+    out: list[tuple[str, RolloutTree]] = []
+    with Session(db) as session:
+        for rollout_id, only in sorted(by_rollout.items()):
+            out.append((rollout_id, build_tree(call_views(session, rollout_id, only), TURN_TREE)))
+    return out
+
+
 def rollout_ids(db: sa.Engine, *, status: str | None = None, limit: int | None = None) -> list[str]:
     query = sa.select(Rollout.id).order_by(Rollout.created_at, Rollout.id)
     if status is not None:
@@ -76,4 +128,14 @@ def rollout_ids(db: sa.Engine, *, status: str | None = None, limit: int | None =
         return list(session.scalars(query))
 
 
-__all__ = ["Call", "RolloutData", "call_views", "load_rollout", "rollout_ids", "rollout_reward"]
+__all__ = [
+    "TURN_TREE",
+    "RolloutData",
+    "TurnData",
+    "call_views",
+    "load_rollout",
+    "load_turns",
+    "rollout_ids",
+    "rollout_reward",
+    "turn_trees",
+]

@@ -1,14 +1,19 @@
-"""The trainer daemon: wait until enough rollouts are ready, take a step, publish, repeat.
+"""The trainer daemon: wait until enough data is ready, take a step, publish, repeat.
 
-A step starts when at least ``min_rollouts`` rollouts are ready and they form at least ``min_groups`` groups with
-two or more members (GRPO learns nothing from a group of one), or when the oldest ready rollout has waited
-``group_wait`` seconds (so a lone rollout is eventually consumed and reported, never left behind). Otherwise the
-loop sleeps ``interval`` seconds.
+A step starts when
+
+- at least ``min_rollouts`` rollouts of task runs are ready and they form at least ``min_groups`` groups with two
+  or more members (GRPO learns nothing from a group of one), or
+- at least ``min_turns`` turns of everyday traffic are ready (a batch baseline needs a batch), or
+- the oldest ready rollout or turn has waited ``group_wait`` seconds (so nothing is left behind for long).
+
+Otherwise the loop sleeps ``interval`` seconds and says what it waits for: rollouts, groups, and turns awaiting
+their next state or the judge (a trainer that trains nothing should say why).
 
 Crash safety comes from the step itself (``step.py``: consumption and publication commit in one transaction;
 ``publish.recover`` resumes from the last recorded version), so the daemon may be killed at any point. A step
 that raises (the database went away, a CUDA error) is logged and recorded as a failed train step; the loop backs
-off and tries again — the rollouts it would have consumed are still ready.
+off and tries again — the data it would have consumed is still ready.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from gateway.store import turns
 from gateway.store.models import Rollout, TrainStep
 from trainer.step import StepResult, Trainer, readiness, ready_condition
 
@@ -32,6 +38,7 @@ log = logging.getLogger("clawgate.trainer")
 class LoopConfig:
     min_rollouts: int = 8
     min_groups: int = 1
+    min_turns: int = 16
     interval: float = 5.0
     group_wait: float = 600.0
     max_steps: int | None = None  # stop after this many published steps (None: run until stopped)
@@ -50,26 +57,39 @@ def oldest_ready_age(db: sa.Engine, epoch: int) -> float | None:
 
 
 def should_step(trainer: Trainer, cfg: LoopConfig) -> tuple[bool, str]:
-    ready = readiness(trainer.db, trainer.config.epoch)
+    epoch = trainer.config.epoch
+    ready = readiness(trainer.db, epoch)
     if ready.rollouts >= cfg.min_rollouts and ready.groups >= cfg.min_groups:
         return True, f"{ready.rollouts} rollouts ready in {ready.groups} groups"
-    age = oldest_ready_age(trainer.db, trainer.config.epoch)
+    backlog = turns.backlog(trainer.db, epoch, await_judge=trainer.config.await_judge)
+    if backlog.ready >= cfg.min_turns:
+        return True, f"{backlog.ready} turns ready"
+    age = oldest_ready_age(trainer.db, epoch)
     if ready.rollouts and age is not None and age >= cfg.group_wait:
         return True, f"{ready.rollouts} rollouts ready, the oldest waited {age:.0f}s"
-    return False, (
+    turn_age = backlog.oldest_ready_age
+    if backlog.ready and turn_age is not None and turn_age >= cfg.group_wait:
+        return True, f"{backlog.ready} turns ready, the oldest waited {turn_age:.0f}s"
+    waiting = (
         f"waiting: {ready.rollouts}/{cfg.min_rollouts} rollouts ready, "
-        f"{ready.groups}/{cfg.min_groups} groups with two or more"
+        f"{ready.groups}/{cfg.min_groups} groups with two or more; "
+        f"{backlog.ready}/{cfg.min_turns} turns ready, {backlog.awaiting_next_state} await their next state"
     )
+    if trainer.config.await_judge:
+        waiting += f", {backlog.awaiting_judge} await the judge"
+    return False, waiting
 
 
-def record_failure(db: sa.Engine, version: int, error: BaseException, started: dt.datetime) -> None:
+def record_failure(
+    db: sa.Engine, version: int, error: BaseException, started: dt.datetime, algorithm: str = "grpo"
+) -> None:
     try:
         with Session(db) as session, session.begin():
             session.add(
                 TrainStep(
                     version=None,
                     base_version=version,
-                    algorithm="grpo",
+                    algorithm=algorithm,
                     status="failed",
                     n_rollouts=0,
                     n_paths=0,
@@ -103,7 +123,7 @@ def run(
             result = trainer.step() if go else None
         except Exception as exc:
             log.exception("train step failed; retrying in %.0fs", backoff)
-            record_failure(trainer.db, trainer.version, exc, started)
+            record_failure(trainer.db, trainer.version, exc, started, trainer.config.algorithm)
             stop.wait(backoff)
             backoff = min(backoff * 2, cfg.max_backoff)
             continue

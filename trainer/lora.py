@@ -46,7 +46,8 @@ class Manifest:
     base_model: str
     step: int = 0
     lora: dict[str, Any] = field(default_factory=dict)
-    rollouts: list[str] = field(default_factory=list)  # the data this version was trained on
+    rollouts: list[str] = field(default_factory=list)  # the data this version was trained on: rollouts,
+    turns: list[str] = field(default_factory=list)  # and turns (call ids) of everyday traffic
     metrics: dict[str, float] = field(default_factory=dict)
     parent_version: int | None = None
     created_at: str = field(default_factory=lambda: dt.datetime.now(dt.UTC).isoformat())

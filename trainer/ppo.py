@@ -191,25 +191,52 @@ def _chain(leaf: TreeNode) -> list[TreeNode]:
 
 
 def branch_gae(
-    tree: RolloutTree, reward: float, values: Mapping[Key, float], *, gamma: float, lam: float
+    tree: RolloutTree,
+    reward: float | Mapping[str, float],
+    values: Mapping[Key, float],
+    *,
+    gamma: float,
+    lam: float,
 ) -> list[Branch]:
     """GAE along every kept path of one rollout's tree, each path on its own (see the module docstring).
 
     ``values`` maps (node id, position) of every trained token but a root's first to V_old. A path with no
-    trained token yields no branch.
+    trained token yields no branch. ``reward`` is the rollout's reward (at the path's last trained token), or
+    a reward per generating call for a tree of turns: then each turn's tokens are an episode of their own, with
+    the turn's reward at its last token and nothing after it (its next state was the environment's answer, and
+    the turns that follow are credited by their own rewards).
     """
     out: list[Branch] = []
     for leaf in tree.leaves():
-        keys = tuple((node.id, node.depth + int(i)) for node in _chain(leaf) for i in np.flatnonzero(node.trainable))
-        keys = tuple(k for k in keys if k[1] > 0)  # position 0 has no source position, hence no prediction
-        if not keys:
+        located = [
+            ((node.id, node.depth + int(i)), node.generator)
+            for node in _chain(leaf)
+            for i in np.flatnonzero(node.trainable)
+        ]
+        located = [(k, g) for k, g in located if k[1] > 0]  # position 0 has no source position, hence no prediction
+        if not located:
             continue
+        keys = tuple(k for k, _ in located)
         try:
             v = np.array([values[k] for k in keys], dtype=np.float64)
         except KeyError as e:
             raise ValueError(f"no value for trained token (node, position) {e.args[0]} of leaf {leaf.id}") from None
-        rewards = terminal_rewards(np.ones(len(keys), dtype=np.bool_), reward)
-        adv, ret = gae(rewards, v, gamma=gamma, lam=lam)
+        if isinstance(reward, Mapping):
+            adv, ret = np.zeros(len(keys)), np.zeros(len(keys))
+            start = 0
+            for end in range(1, len(located) + 1):  # one episode per run of tokens of one call
+                if end < len(located) and located[end][1] == located[start][1]:
+                    continue
+                call = located[start][1]
+                if call is None or call not in reward:
+                    raise ValueError(f"no reward for the call that generated node {keys[start][0]}")
+                seg = slice(start, end)
+                rewards = terminal_rewards(np.ones(end - start, dtype=np.bool_), reward[call])
+                adv[seg], ret[seg] = gae(rewards, v[seg], gamma=gamma, lam=lam)
+                start = end
+        else:
+            rewards = terminal_rewards(np.ones(len(keys), dtype=np.bool_), reward)
+            adv, ret = gae(rewards, v, gamma=gamma, lam=lam)
         out.append(Branch(leaf.id, keys, v, adv, ret))
     return out
 
@@ -272,17 +299,20 @@ def optimize(
     optimizer: torch.optim.Optimizer,
     critic: Critic,
     trees: Sequence[RolloutTree],
-    rewards: Sequence[float],
+    rewards: Sequence[float | Mapping[str, float]],
     config: PPOSettings,
     *,
     rollout_advantages: dict[int, float] | None = None,
+    call_advantages: dict[str, float] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, float]:
     """One PPO step over ``trees`` (one rollout each, with its reward): GAE per branch, then one update.
 
-    ``optimizer`` holds the policy's trainable (LoRA) parameters, ``critic`` the value head and its optimizer.
-    When ``rollout_advantages`` is given it receives, per tree index, the mean advantage over that tree's distinct
-    trained tokens. Returns the metrics: ``value_loss`` (mean over distinct trained tokens, before the update),
+    A tree's reward is a number (the rollout's) or a mapping from generating call to reward (a tree of turns:
+    see ``branch_gae``). ``optimizer`` holds the policy's trainable (LoRA) parameters, ``critic`` the value head
+    and its optimizer. When ``rollout_advantages`` is given it receives, per tree index, the mean advantage over
+    that tree's distinct trained tokens; ``call_advantages`` the same per generating call. Returns the metrics:
+    ``value_loss`` (mean over distinct trained tokens, before the update),
     ``explained_variance`` (1 − Var(R − V_old)/Var(R) over distinct trained tokens; left out when the returns
     have no variance), ``value_mean``, ``return_mean``, ``value_clip_frac``, ``advantage_mean``,
     ``advantage_std``, ``critic_warmup`` (1 on a warm-up step), the policy metrics of ``loss.policy_loss``
@@ -321,14 +351,21 @@ def optimize(
     # 2. GAE per branch, tree by tree; per-token targets are means over the paths through the token.
     advantages: dict[tuple[int, int, int], float] = {}
     returns: dict[tuple[int, int, int], float] = {}
+    per_call: dict[str, list[float]] = {}
     for index, (tree, reward) in enumerate(zip(trees, rewards, strict=True)):
-        branches = branch_gae(tree, float(reward), per_tree[index], gamma=config.gamma, lam=config.lam)
+        credit = reward if isinstance(reward, Mapping) else float(reward)
+        branches = branch_gae(tree, credit, per_tree[index], gamma=config.gamma, lam=config.lam)
         targets = token_targets(branches)
         for (node, pos), (a, r) in targets.items():
             advantages[(index, node, pos)] = a
             returns[(index, node, pos)] = r
+            generator = tree.nodes[node].generator
+            if call_advantages is not None and generator is not None:
+                per_call.setdefault(generator, []).append(a)
         if rollout_advantages is not None and targets:
             rollout_advantages[index] = float(np.mean([a for a, _ in targets.values()]))
+    if call_advantages is not None:
+        call_advantages.update({call: float(np.mean(values)) for call, values in per_call.items()})
 
     # 3. One update: policy loss + value_coef · value loss (warm-up: the value loss alone, trunk frozen).
     warmup = critic.updates < config.critic_warmup_steps

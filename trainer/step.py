@@ -1,24 +1,32 @@
-"""One GRPO or PPO optimization step over the rollouts that are ready, and its bookkeeping.
+"""One optimization step over what is ready — task rollouts and turns of everyday traffic — and its bookkeeping.
 
-Ready = finished with status ``completed``, rewarded, and not yet consumed in this epoch. A step:
+Two kinds of data, trained together in one step:
 
-1. builds each rollout's prefix tree (``data.load_rollout``) and its group's advantage
-   (``advantages.group_advantages``: GRPO within a task–harness group, broadcast to every branch);
-2. packs the trees (``batch.pack_trees``: shared prefixes computed and counted once) and accumulates the gradient of
-   the PPO-clip loss with token-level truncated importance sampling against the engine's logprobs
-   (``loss.policy_loss``), normalized by the number of distinct trainable tokens;
-3. takes one optimizer step, saves ``policy@v(N+1)`` and, in one transaction, records the train step, the new
-   policy version and every rollout it consumed (``trained_rollouts``: primary key (rollout, epoch), so a rollout
-   can never be trained twice in an epoch). A crash before that commit leaves nothing recorded: the rollouts stay
-   ready and the next run starts again from the last published version.
+- **rollouts** of a task run (they have a group): ready when finished ``completed`` with a rollout-level reward and
+  not yet consumed in this epoch. Their advantage is GRPO's, within the task–harness group, broadcast to every
+  branch of the rollout's prefix tree (``advantages.group_advantages``);
+- **turns** (one call each) of rollouts without a group — the implicit conversations and harness sessions of
+  everyday use: ready when rewarded per call (judge, feedback, rules, functions) with their next state known or
+  their rollout closed (``gateway/store/turns.py``), even while the session goes on. With one sample per prompt
+  there is no group: their advantage uses a batch baseline per harness (``advantages.batch_advantages``), and only
+  the turn's own completion tokens carry it (``credit.py``); a turn is consumed once per epoch
+  (``trained_turns``).
 
-Rollouts that carry no signal (their group has zero reward variance, or a single member; their tree was dropped
-for abnormal branching) are consumed too, with no advantage, and counted in the step's metrics — never silently
-left behind or retried forever.
+``advantage="batch"`` puts rollouts on a batch baseline too (per harness); ``"critic"`` (``algorithm="ppo"``) uses
+PPO's value head for both (``ppo.optimize``: GAE per branch for rollouts, per turn for turns) and saves the head
+with each version (``value_head.safetensors``).
 
-With ``algorithm="ppo"`` step 1 and 2 are ``ppo.optimize``: advantages come from GAE along each branch with a value
-head on the policy (no group baseline, so every usable rollout trains), and the head is saved with each version
-(``value_head.safetensors``). Consumption and bookkeeping are the same.
+A step packs the trees (``batch.pack_trees``: shared prefixes computed and counted once), accumulates the gradient
+of the PPO-clip loss with token-level truncated importance sampling against the engine's logprobs
+(``loss.policy_loss``), normalized by the number of distinct trainable tokens, takes one optimizer step, saves
+``policy@v(N+1)`` and, in one transaction, records the train step, the new policy version and everything it
+consumed (``trained_rollouts`` / ``trained_turns``, primary keys (id, epoch): nothing is trained twice in an epoch).
+A crash before that commit leaves nothing recorded: the data stays ready and the next run starts again from the
+last published version.
+
+Data that carries no signal (a group or a batch key without reward variance or with a single member; a tree
+dropped for abnormal branching; served by a version beyond the staleness bound) is consumed too, with no
+advantage, and counted in the step's metrics — never silently left behind or retried forever.
 """
 
 from __future__ import annotations
@@ -36,16 +44,20 @@ import sqlalchemy as sa
 import torch
 from sqlalchemy.orm import Session
 
-from gateway.store.models import Call, PolicyVersion, Reward, Rollout, TrainedRollout, TrainStep
+from gateway.store import turns
+from gateway.store.models import Call, PolicyVersion, Reward, Rollout, TrainedRollout, TrainedTurn, TrainStep
 from trainer import lora, ppo, publish
-from trainer.advantages import group_advantages
+from trainer.advantages import AdvantageResult, batch_advantages, group_advantages
 from trainer.batch import pack_trees, sequence_logprobs
-from trainer.data import RolloutData, load_rollout
+from trainer.credit import Credit, CreditTable
+from trainer.data import RolloutData, TurnData, load_rollout, load_turns, turn_trees
 from trainer.filters import TreeConfig
 from trainer.loss import policy_loss
+from trainer.tree import RolloutTree
 
 log = logging.getLogger("clawgate.trainer")
 ALGORITHMS = ("grpo", "ppo")
+ADVANTAGES = ("group", "batch", "critic")
 
 
 @dataclass(slots=True)
@@ -89,10 +101,26 @@ class TrainConfig:
     critic_warmup_steps: int = 0
     gradient_checkpointing: bool = False
     device: str = "auto"  # "auto": cuda when available, else cpu
+    # "group" (GRPO for rollouts with a group, a batch baseline for turns), "batch" (a batch baseline for both),
+    # "critic" (PPO's value head for both; the same as algorithm="ppo").
+    advantage: str = "group"
+    # Turns wait for the reward worker's verdict (a judge runs) before they are ready.
+    await_judge: bool = False
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        if self.advantage not in ADVANTAGES:
+            raise ValueError(f"advantage must be one of {ADVANTAGES}, got {self.advantage!r}")
+        if self.algorithm == "ppo" and self.advantage not in ("group", "critic"):
+            raise ValueError(
+                f"algorithm ppo estimates advantages with its critic; advantage {self.advantage!r} "
+                "cannot be used with it"
+            )
+        if self.advantage == "critic":
+            self.algorithm = "ppo"
+        elif self.algorithm == "ppo":
+            self.advantage = "critic"
 
 
 def resolve_device(name: str) -> str:
@@ -108,17 +136,21 @@ class StepResult:
     version: int
     rollouts: int
     trained_rollouts: int
-    skipped: dict[str, str]
+    skipped: dict[str, str]  # rollout or call id -> why it was consumed without training
     metrics: dict[str, float]
     seconds: float
+    turns: int = 0
+    trained_turns: int = 0
 
 
 def ready_condition(epoch: int) -> tuple[sa.ColumnElement[bool], ...]:
+    """A rollout of a task run (it has a group) ready to train; rollouts without a group train turn by turn."""
     consumed = sa.select(TrainedRollout.rollout_id).where(TrainedRollout.epoch == epoch)
     rewarded = sa.select(Reward.rollout_id).where(Reward.call_id.is_(None))
     return (
         Rollout.status == "completed",
         Rollout.eval.is_(False),
+        Rollout.group_key.is_not(None),
         Rollout.id.in_(rewarded),
         Rollout.id.not_in(consumed),
     )
@@ -159,14 +191,31 @@ def stale_rollouts(db: sa.Engine, epoch: int, oldest_ok: int, limit: int = 10_00
         return {row[0]: int(row[1]) for row in session.execute(query)}
 
 
+def stale_turns(db: sa.Engine, epoch: int, oldest_ok: int, limit: int = 10_000) -> dict[str, tuple[str, int]]:
+    """Turns not consumed yet that a version older than ``oldest_ok`` served: call id -> (rollout id, version).
+
+    They could never be trained (staleness only grows), ready or not, so they are consumed as stale: that also
+    ends the wait of turns whose judge verdict will never come (the worker skips stale turns too).
+    """
+    version = sa.func.coalesce(Call.policy_version, 0)
+    query = (
+        sa.select(Call.id, Call.rollout_id, version)
+        .join(Rollout, Rollout.id == Call.rollout_id)
+        .where(*turns.is_turn(), turns.not_consumed(epoch), version < oldest_ok)
+        .limit(limit)
+    )
+    with Session(db) as session:
+        return {row[0]: (row[1], int(row[2])) for row in session.execute(query)}
+
+
 @dataclass(slots=True)
 class Readiness:
-    rollouts: int  # ready rollouts
+    rollouts: int  # ready rollouts of task runs
     groups: int  # groups with at least two ready rollouts (a GRPO baseline needs company)
 
 
 def readiness(db: sa.Engine, epoch: int) -> Readiness:
-    group = sa.func.coalesce(Rollout.group_key, Rollout.task_id, Rollout.id)
+    group = Rollout.group_key
     sizes = sa.select(group.label("g"), sa.func.count().label("n")).where(*ready_condition(epoch)).group_by(group)
     with Session(db) as session:
         rows = session.execute(sizes).all()
@@ -208,10 +257,12 @@ class Trainer:
         t0 = time.perf_counter()
         started = dt.datetime.now(dt.UTC)
         ids = ready_rollouts(self.db, cfg.epoch, cfg.max_rollouts)
-        if len(ids) < cfg.min_rollouts:
+        turn_ids = turns.ready_turns(self.db, cfg.epoch, cfg.max_rollouts, await_judge=cfg.await_judge)
+        if len(ids) + len(turn_ids) < cfg.min_rollouts:
             return None
         data = self._hold_lonely([d for d in (load_rollout(self.db, i, cfg.tree) for i in ids) if d is not None])
-        if len(data) < cfg.min_rollouts:
+        turn_data = load_turns(self.db, turn_ids)
+        if len(data) + len(turn_data) < cfg.min_rollouts:
             return None
         skipped: dict[str, str] = {}
         usable: list[RolloutData] = []
@@ -228,48 +279,95 @@ class Trainer:
             else:
                 usable.append(d)
                 staleness.append(stale)
-        if cfg.algorithm == "ppo":
-            # GAE per branch needs no group baseline: every usable rollout trains.
-            trained = usable
-            log.info("step from policy@v%d (ppo): %d rollouts, %d usable", self.version, len(data), len(trained))
-            metrics, advantages = self._optimize_ppo(trained) if trained else ({}, {})
+        usable_turns: list[TurnData] = []
+        for t in turn_data:
+            served = t.policy_version or 0
+            stale = self.version - served
+            if t.reward is None:
+                skipped[t.call_id] = "no reward"
+            elif cfg.max_staleness is not None and stale > cfg.max_staleness:
+                skipped[t.call_id] = f"stale: served by policy@v{served}, {stale} versions behind"
+            else:
+                usable_turns.append(t)
+                staleness.append(stale)
+        if cfg.advantage == "critic":
+            trained, trained_turns, metrics, advantages, turn_advantages = self._critic_step(usable, usable_turns)
         else:
-            groups = {d.rollout.id: _group(d) for d in usable}
-            result = group_advantages(
-                {d.rollout.id: float(d.reward) for d in usable if d.reward is not None},
-                groups,
+            rewards = {d.rollout.id: float(d.reward) for d in usable if d.reward is not None}
+            result: AdvantageResult
+            if cfg.advantage == "group":
+                result = group_advantages(
+                    rewards,
+                    {d.rollout.id: _group(d) for d in usable},
+                    scale_by_std=cfg.scale_by_std,
+                    baseline=cfg.baseline,  # type: ignore[arg-type]
+                )
+            else:
+                keys = {d.rollout.id: f"rollouts:{d.rollout.harness or 'unknown'}" for d in usable}
+                result = batch_advantages(rewards, keys, scale_by_std=cfg.scale_by_std)
+            turn_result = batch_advantages(
+                {t.call_id: t.reward.value for t in usable_turns if t.reward is not None},
+                {t.call_id: t.baseline_key for t in usable_turns},
                 scale_by_std=cfg.scale_by_std,
-                baseline=cfg.baseline,  # type: ignore[arg-type]
             )
             skipped.update(result.skipped)
-            advantages = result.advantages
+            skipped.update(turn_result.skipped)
+            advantages, turn_advantages = result.advantages, turn_result.advantages
             trained = [d for d in usable if d.rollout.id in advantages]
-            log.info("step from policy@v%d: %d rollouts, %d with signal", self.version, len(data), len(trained))
-            metrics = self._optimize(trained, advantages) if trained else {}
+            trained_turns = [t for t in usable_turns if t.call_id in turn_advantages]
+            trees: list[RolloutTree] = [d.tree for d in trained]
+            credits: list[Credit] = [advantages[d.rollout.id] for d in trained]
+            for _, tree in turn_trees(self.db, trained_turns):
+                trees.append(tree)
+                credits.append(turn_advantages)
+            log.info(
+                "step from policy@v%d: %d rollouts (%d with signal), %d turns (%d with signal)",
+                self.version,
+                len(data),
+                len(trained),
+                len(turn_data),
+                len(trained_turns),
+            )
+            metrics = self._optimize(trees, credits) if trees else {}
         metrics.update(
             {
                 "rollouts": float(len(data)),
                 "rollouts_trained": float(len(trained)),
+                "turns": float(len(turn_data)),
+                "turns_trained": float(len(trained_turns)),
                 "rollouts_skipped": float(len(skipped)),
-                "rollouts_stale": float(sum(1 for r in skipped.values() if r.startswith("stale"))),
                 "staleness_max": float(max(staleness, default=0)),
             }
         )
         # Means of nothing are left out, not NaN: PostgreSQL's JSON has no NaN.
-        rewards = [d.reward for d in usable if d.reward is not None]
-        if rewards:
-            metrics["reward_mean"] = _mean(rewards)
+        rewards_seen = [d.reward for d in usable if d.reward is not None]
+        if rewards_seen:
+            metrics["reward_mean"] = _mean(rewards_seen)
+        turn_rewards_seen = [t.reward.value for t in usable_turns if t.reward is not None]
+        if turn_rewards_seen:
+            metrics["turn_reward_mean"] = _mean(turn_rewards_seen)
         if staleness:
             metrics["staleness_mean"] = _mean([float(x) for x in staleness])
         version = self.version + 1
         consumed = {rid: advantages.get(rid) for rid in [d.rollout.id for d in data]}
+        consumed_turns: dict[str, tuple[str, float | None, float | None]] = {
+            t.call_id: (t.rollout_id, None if t.reward is None else t.reward.value, turn_advantages.get(t.call_id))
+            for t in turn_data
+        }
         if cfg.max_staleness is not None:
             # The backlog beyond the staleness bound is consumed (and reported) without loading its trees.
-            for rid, served in stale_rollouts(self.db, cfg.epoch, self.version - cfg.max_staleness).items():
+            oldest_ok = self.version - cfg.max_staleness
+            for rid, served in stale_rollouts(self.db, cfg.epoch, oldest_ok).items():
                 if rid not in consumed:
                     consumed[rid] = None
                     skipped[rid] = f"stale: served by policy@v{served}, {self.version - served} versions behind"
-            metrics["rollouts_stale"] = float(sum(1 for r in skipped.values() if r.startswith("stale")))
+            for cid, (rid, served) in stale_turns(self.db, cfg.epoch, oldest_ok).items():
+                if cid not in consumed_turns:
+                    consumed_turns[cid] = (rid, None, None)
+                    skipped[cid] = f"stale: served by policy@v{served}, {self.version - served} versions behind"
+        metrics["rollouts_skipped"] = float(sum(1 for k in skipped if k in consumed))
+        metrics["turns_skipped"] = float(sum(1 for k in skipped if k in consumed_turns))
+        metrics["rollouts_stale"] = float(sum(1 for r in skipped.values() if r.startswith("stale")))
         step_id = self._publish(
             lora.Manifest(
                 version=version,
@@ -277,16 +375,64 @@ class Trainer:
                 step=version,
                 lora=asdict(cfg.lora),
                 rollouts=sorted(consumed),
+                turns=sorted(consumed_turns),
                 metrics=metrics,
                 parent_version=self.version,
             ),
             step=(started, metrics),
             consumed=consumed,
+            consumed_turns=consumed_turns,
             metrics=metrics,
         )
         self.version = version
         seconds = time.perf_counter() - t0
-        return StepResult(step_id, version, len(data), len(trained), skipped, metrics, seconds)
+        return StepResult(
+            step_id,
+            version,
+            len(data),
+            len(trained),
+            skipped,
+            metrics,
+            seconds,
+            turns=len(turn_data),
+            trained_turns=len(trained_turns),
+        )
+
+    def _critic_step(
+        self, usable: list[RolloutData], usable_turns: list[TurnData]
+    ) -> tuple[list[RolloutData], list[TurnData], dict[str, float], dict[str, float], dict[str, float]]:
+        """PPO: GAE per branch (rollouts) and per turn (turns) with the value head; every usable item trains."""
+        trees: list[RolloutTree] = [d.tree for d in usable]
+        rewards: list[float | dict[str, float]] = [cast(float, d.reward) for d in usable]
+        turn_rewards = {t.call_id: t.reward.value for t in usable_turns if t.reward is not None}
+        for _, tree in turn_trees(self.db, usable_turns):
+            trees.append(tree)
+            rewards.append(turn_rewards)
+        log.info("step from policy@v%d (ppo): %d rollouts, %d turns", self.version, len(usable), len(usable_turns))
+        if not trees:
+            return usable, usable_turns, {}, {}, {}
+        per_tree: dict[int, float] = {}
+        per_call: dict[str, float] = {}
+        assert self.critic is not None
+        metrics = ppo.optimize(
+            self.policy,
+            self.optimizer,
+            self.critic,
+            trees,
+            rewards,
+            self.config,
+            rollout_advantages=per_tree,
+            call_advantages=per_call,
+            progress=self.progress,
+        )
+        advantages = {usable[i].rollout.id: a for i, a in per_tree.items() if i < len(usable)}
+        return (
+            usable,
+            usable_turns,
+            metrics,
+            advantages,
+            {t.call_id: per_call.get(t.call_id, 0.0) for t in usable_turns},
+        )
 
     def _hold_lonely(self, data: list[RolloutData]) -> list[RolloutData]:
         """Leave out (for a later step) a group's only ready member while it may still get company."""
@@ -305,11 +451,11 @@ class Trainer:
             kept.append(d)
         return kept
 
-    def _optimize(self, trained: list[RolloutData], advantages: dict[str, float]) -> dict[str, float]:
+    def _optimize(self, trees: list[RolloutTree], credits: list[Credit]) -> dict[str, float]:
+        """One policy-gradient update over ``trees``; each trained token's advantage comes from ``credits``."""
         cfg = self.config
-        trees = [d.tree for d in trained]
         device = next(self.policy.parameters()).device
-        adv = torch.tensor([advantages[d.rollout.id] for d in trained], dtype=torch.float32, device=device)
+        table = CreditTable(trees, credits)
         batches = pack_trees(trees, cfg.strategy, cfg.max_tokens_per_bin)  # type: ignore[arg-type]
         total = float(sum(float(b.weights[b.trainable].sum()) for b in batches)) or 1.0
         self.optimizer.zero_grad(set_to_none=True)
@@ -322,7 +468,7 @@ class Trainer:
                 logp,
                 logp.detach(),  # one update per batch: the "old" policy is the current one
                 b.rollout_logprobs,
-                adv[b.rollout_index],
+                table.for_batch(b),
                 b.trainable,
                 clip_low=cfg.clip_low,
                 clip_high=cfg.clip_high,
@@ -354,22 +500,6 @@ class Trainer:
             return ppo.Critic.load(resumed, lr=cfg.critic_lr, device=device)
         return ppo.Critic.for_policy(self.policy, lr=cfg.critic_lr)
 
-    def _optimize_ppo(self, trained: list[RolloutData]) -> tuple[dict[str, float], dict[str, float]]:
-        """One PPO update; the metrics and each rollout's mean token advantage (recorded as its advantage)."""
-        assert self.critic is not None
-        per_tree: dict[int, float] = {}
-        metrics = ppo.optimize(
-            self.policy,
-            self.optimizer,
-            self.critic,
-            [d.tree for d in trained],
-            [cast(float, d.reward) for d in trained],  # usable rollouts are rewarded
-            self.config,
-            rollout_advantages=per_tree,
-            progress=self.progress,
-        )
-        return metrics, {trained[i].rollout.id: a for i, a in per_tree.items()}
-
     def _publish(
         self,
         manifest: lora.Manifest,
@@ -377,6 +507,7 @@ class Trainer:
         step: tuple[dt.datetime, dict[str, float]] | None,
         consumed: dict[str, float | None],
         metrics: dict[str, float],
+        consumed_turns: dict[str, tuple[str, float | None, float | None]] | None = None,
     ) -> int:
         # A non-finite metric (a diverged loss) is dropped, not stored: JSON has no NaN, PostgreSQL refuses it.
         metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
@@ -392,7 +523,7 @@ class Trainer:
                     base_version=manifest.parent_version,
                     algorithm=self.config.algorithm,
                     status="ok",
-                    n_rollouts=len(consumed),
+                    n_rollouts=len(consumed) + len(consumed_turns or {}),
                     n_paths=0,
                     tokens_processed=int(metrics.get("tokens_processed", 0)),
                     trainable_tokens=int(metrics.get("trainable_tokens", 0)),
@@ -410,6 +541,19 @@ class Trainer:
                             epoch=self.config.epoch,
                             step_id=step_id,
                             version=manifest.version,
+                            advantage=advantage,
+                            created_at=now,
+                        )
+                    )
+                for call_id, (rollout_id, reward, advantage) in (consumed_turns or {}).items():
+                    session.add(
+                        TrainedTurn(
+                            call_id=call_id,
+                            epoch=self.config.epoch,
+                            rollout_id=rollout_id,
+                            step_id=step_id,
+                            version=manifest.version,
+                            reward=reward,
                             advantage=advantage,
                             created_at=now,
                         )
@@ -449,8 +593,11 @@ def describe(result: StepResult) -> str:
         f"step {result.step_id} -> policy@v{result.version}",
         f"rollouts {result.trained_rollouts}/{result.rollouts}",
     ]
+    if result.turns:
+        parts.append(f"turns {result.trained_turns}/{result.turns}")
     for key in (
         "reward_mean",
+        "turn_reward_mean",
         "loss",
         "value_loss",
         "explained_variance",
@@ -466,4 +613,14 @@ def describe(result: StepResult) -> str:
     return "  ".join(parts)
 
 
-__all__ = ["Readiness", "StepResult", "TrainConfig", "Trainer", "describe", "readiness", "ready_rollouts"]
+__all__ = [
+    "ADVANTAGES",
+    "Readiness",
+    "StepResult",
+    "TrainConfig",
+    "Trainer",
+    "describe",
+    "readiness",
+    "ready_rollouts",
+    "stale_turns",
+]

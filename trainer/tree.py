@@ -65,6 +65,7 @@ class TreeNode:
         "children",
         "depth",
         "filtered",
+        "generator",
         "id",
         "kept",
         "logprobs",
@@ -93,6 +94,9 @@ class TreeNode:
         self.trainable: npt.NDArray[np.bool_] = np.zeros(0, dtype=np.bool_)
         self.logprobs: npt.NDArray[np.float64] = np.zeros(0)
         self.versions: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+        # The kept call whose completion holds this node's trainable tokens (the latest, when several generated
+        # the same positions); None on context. Call boundaries are node boundaries, so one call per node.
+        self.generator: str | None = None
 
     @property
     def end(self) -> int:
@@ -635,6 +639,7 @@ def _attach_logprobs(e: _Entry) -> None:
         node.trainable[:] = True
         node.logprobs[:] = logprobs[lo : lo + len(node.tokens)]
         node.versions[:] = version
+        node.generator = e.call.id
         node = node.parent
 
 

@@ -178,6 +178,7 @@ def _user(blocks: list[Any], tool_names: dict[str, str]) -> list[Message]:
                     content=_tool_result_text(block),
                     tool_call_id=block.tool_use_id,
                     name=tool_names.get(block.tool_use_id),
+                    is_error=bool(block.is_error),
                 )
             )
         elif isinstance(block, TextBlock):

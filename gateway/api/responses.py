@@ -62,6 +62,8 @@ log = logging.getLogger("clawgate.api.responses")
 router = APIRouter()
 
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
+# A tool output item whose status says the call did not complete: the harness marks a failed tool call.
+FAILED_OUTPUT_STATUSES = frozenset({"incomplete", "failed"})
 
 
 # --- translation in ------------------------------------------------------------------------------------------
@@ -139,7 +141,8 @@ def to_messages(items: Sequence[InputItem]) -> list[Message]:
             turn.tool_calls.append(ToolCall(name=item.name, arguments=item.input, id=item.call_id))
         elif isinstance(item, FunctionCallOutputItem | CustomToolCallOutputItem):
             content = _text(item.output, f"{where}.output")
-            out.append(Message(role="tool", content=content, tool_call_id=item.call_id))
+            failed = item.status in FAILED_OUTPUT_STATUSES
+            out.append(Message(role="tool", content=content, tool_call_id=item.call_id, is_error=failed))
         else:
             skipped.append(item.type)
     if skipped:

@@ -75,6 +75,7 @@ class CustomToolCallOutputItem(TolerantModel):
     id: str | None = None
     call_id: str
     output: str | list[ContentPart]
+    status: str | None = None
 
 
 class SummaryPart(TolerantModel):

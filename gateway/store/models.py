@@ -135,6 +135,9 @@ class Call(Base):
     completion_logprobs: Mapped[bytes] = mapped_column(sa.LargeBinary)  # little-endian float32
     completion_len: Mapped[int] = mapped_column(sa.Integer)
 
+    # The turn's next state: the first call that continued this one (its prompt holds, after this call's prompt +
+    # completion, what the harness added: tool results, the user's next message). Set when that call is recorded.
+    next_call_id: Mapped[str | None] = mapped_column(sa.String(40))
     # Hash of the conversation after this call; finds the parent of the next call after a restart.
     tail_hash: Mapped[str | None] = mapped_column(sa.String(32), index=True)
     started_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
@@ -149,13 +152,17 @@ class Call(Base):
 
 
 class Reward(Base):
-    """A scalar reward for a rollout (or one call of it), from a verifier, feedback endpoint or judge."""
+    """A scalar reward for a rollout (or one call of it: a turn), from a verifier, feedback, a rule or a judge.
+
+    ``source`` names where it came from ("verifier", "feedback", "judge", "rule:tool_error", "function:<name>");
+    a turn's reward is the sum over sources of each source's latest value (``store/turns.py``).
+    """
 
     __tablename__ = "rewards"
 
     id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
     rollout_id: Mapped[str] = mapped_column(sa.String(128), sa.ForeignKey("rollouts.id"), index=True)
-    call_id: Mapped[str | None] = mapped_column(sa.String(40), sa.ForeignKey("calls.id"))
+    call_id: Mapped[str | None] = mapped_column(sa.String(40), sa.ForeignKey("calls.id"), index=True)
     value: Mapped[float] = mapped_column(sa.Float)
     source: Mapped[str | None] = mapped_column(sa.String)
     details: Mapped[dict[str, Any] | None] = mapped_column(JSONValue)
@@ -212,5 +219,49 @@ class TrainedRollout(Base):
     epoch: Mapped[int] = mapped_column(sa.Integer, primary_key=True)
     step_id: Mapped[int] = mapped_column(sa.Integer, sa.ForeignKey("train_steps.id"), index=True)
     version: Mapped[int] = mapped_column(sa.Integer)
+    advantage: Mapped[float | None] = mapped_column(sa.Float)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class Judgement(Base):
+    """The reward worker's verdict on one turn (the judge, reward functions): claimed, done, or given up on.
+
+    The primary key makes a second verdict on a turn impossible; a worker claims a turn with a random ``claim``
+    token and a lease (``claimed_until``) and commits its rewards only while it still holds that claim.
+    """
+
+    __tablename__ = "judgements"
+
+    call_id: Mapped[str] = mapped_column(sa.String(40), sa.ForeignKey("calls.id"), primary_key=True)
+    rollout_id: Mapped[str] = mapped_column(sa.String(128), sa.ForeignKey("rollouts.id"))
+    # "running" (claimed or waiting for a retry) | "done" | "unparseable" | "failed" (the last three are final)
+    status: Mapped[str] = mapped_column(sa.String, index=True)
+    attempts: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
+    claim: Mapped[str | None] = mapped_column(sa.String(32))
+    claimed_until: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    retry_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    score: Mapped[float | None] = mapped_column(sa.Float)
+    reason: Mapped[str | None] = mapped_column(sa.Text)
+    model: Mapped[str | None] = mapped_column(sa.String)
+    prompt_tokens: Mapped[int | None] = mapped_column(sa.Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(sa.Integer)
+    cost_usd: Mapped[float | None] = mapped_column(sa.Float)
+    error: Mapped[str | None] = mapped_column(sa.Text)
+    had_next_state: Mapped[bool | None] = mapped_column(sa.Boolean)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    judged_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+
+
+class TrainedTurn(Base):
+    """A turn (one call of a rollout without a group) consumed by a train step, once per epoch."""
+
+    __tablename__ = "trained_turns"
+
+    call_id: Mapped[str] = mapped_column(sa.String(40), sa.ForeignKey("calls.id"), primary_key=True)
+    epoch: Mapped[int] = mapped_column(sa.Integer, primary_key=True)
+    rollout_id: Mapped[str] = mapped_column(sa.String(128), sa.ForeignKey("rollouts.id"))
+    step_id: Mapped[int] = mapped_column(sa.Integer, sa.ForeignKey("train_steps.id"), index=True)
+    version: Mapped[int] = mapped_column(sa.Integer)
+    reward: Mapped[float | None] = mapped_column(sa.Float)
     advantage: Mapped[float | None] = mapped_column(sa.Float)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)

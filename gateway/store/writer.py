@@ -3,7 +3,8 @@
 Serving code calls ``CallWriter.submit(record)``: synchronous, O(1), no I/O. A background task drains the
 queue in batches (``batch_size`` rows, or what arrived within ``flush_interval``) and writes each batch in one
 transaction on a worker thread: rollouts first (an idempotent upsert), then calls in submission order (so a
-parent is committed before its children), then rewards.
+parent is committed before its children) with each parent's ``next_call_id`` link to its first continuation (the
+turn's next state), then rewards.
 
 What can go wrong, and what happens:
 
@@ -305,6 +306,10 @@ def _call_row(record: CallRecord) -> dict[str, Any]:
     }
 
 
+def _next_state_link(call_row: dict[str, Any]) -> dict[str, Any]:
+    return {"b_parent": call_row["parent_call_id"], "b_child": call_row["id"]}
+
+
 def _reward_row(record: RewardRecord) -> dict[str, Any]:
     return {
         "rollout_id": record.rollout_id,
@@ -378,6 +383,13 @@ class _Statements:
         )
         # Insert-or-ignore makes replaying a batch whose commit was in doubt write each call once.
         self.calls = insert(calls).on_conflict_do_nothing(index_elements=["id"])
+        # A call that continues another holds that turn's next state; the first such call is recorded on the
+        # parent (idempotent: a replay or a later retry of the same request leaves the link as it is).
+        self.next_state = (
+            sa.update(calls)
+            .where(calls.c.id == sa.bindparam("b_parent"), calls.c.next_call_id.is_(None))
+            .values(next_call_id=sa.bindparam("b_child"))
+        )
         self.rewards = sa.insert(rewards)
 
 
@@ -619,6 +631,9 @@ class CallWriter:
             connection.execute(statements.rollouts, [row for row, _ in prepared.rollouts.values()])
         if prepared.calls:
             connection.execute(statements.calls, [row for row, _ in prepared.calls])
+            links = [_next_state_link(row) for row, _ in prepared.calls if row["parent_call_id"] is not None]
+            if links:
+                connection.execute(statements.next_state, links)
         if prepared.rewards:
             connection.execute(statements.rewards, [row for row, _ in prepared.rewards])
 
@@ -626,18 +641,24 @@ class CallWriter:
         statements = self._statements
         # A rollout row merges several records; only the RolloutRecords among them are dead-lettered with it.
         # A call that merely carried the rollout fails on its own foreign key and is dead-lettered with it.
-        rows: list[tuple[Any, dict[str, Any], list[Record]]] = []
+        rows: list[tuple[list[tuple[Any, dict[str, Any]]], list[Record]]] = []
         for row, sources in prepared.rollouts.values():
             standalone: list[Record] = [s for s in sources if isinstance(s, RolloutRecord)]
-            rows.append((statements.rollouts, row, standalone))
-        rows.extend((statements.calls, row, [record]) for row, record in prepared.calls)
-        rows.extend((statements.rewards, row, [record]) for row, record in prepared.rewards)
+            rows.append(([(statements.rollouts, row)], standalone))
+        for row, record in prepared.calls:
+            steps = [(statements.calls, row)]
+            if row["parent_call_id"] is not None:
+                steps.append((statements.next_state, _next_state_link(row)))
+            rows.append((steps, [record]))
+        rows.extend(([(statements.rewards, row)], [record]) for row, record in prepared.rewards)
         dead: list[tuple[Record, str]] = []
         with self._engine.begin() as connection:
-            for statement, row, sources in rows:
+            for steps, sources in rows:
+                row = steps[0][1]
                 try:
                     with connection.begin_nested():
-                        connection.execute(statement, [row])
+                        for statement, values in steps:
+                            connection.execute(statement, [values])
                 except Exception as error:
                     if is_transient(error):
                         raise

@@ -1,0 +1,388 @@
+"""The reward worker (`clawgate judge`): every turn of everyday traffic, once its next state is known (or its
+rollout closed), goes through the reward functions and the LLM judge, and gets one recorded verdict.
+
+The loop looks for judgeable turns (``claims.candidates``), claims up to ``concurrency`` of them and processes each
+on its own task:
+
+1. read the turn from the store and decode it (``turns.load_turn``, on a thread);
+2. call each reward function (on a thread);
+3. ask the judge (``judge.Judge.score``), at most ``concurrency`` calls at once, each with a timeout;
+4. record the verdict and all rewards in one transaction (``claims.finish``), or give the turn back.
+
+Failures:
+
+- the judge is unreachable (outage): the turn goes back without counting an attempt, the worker stops claiming
+  for a backoff that doubles up to ``max_backoff``, and it logs one line when the outage starts, a reminder per
+  minute, and one line when it ends. Turns wait; nothing is lost or judged twice;
+- an answer without a usable score, or a request the judge refuses: counted (``stats``) and logged; the turn is
+  retried until ``max_attempts``, then recorded ``unparseable`` / ``failed`` without a judge reward (the
+  functions' rewards are kept);
+- a reward function that raises: logged with the turn, no reward from it, the rest goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from gateway.faults import Fault
+from rewards import claims
+from rewards.functions import RewardFunction, RewardFunctionError
+from rewards.judge import Judge, JudgeError, UnparseableAnswer, Usage
+from rewards.turns import Decode, Limits, TurnView, load_turn
+
+log = logging.getLogger("clawgate.judge")
+JUDGE_SOURCE = "judge"
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    concurrency: int = 4
+    max_attempts: int = 3
+    interval: float = 1.0  # seconds between looks when nothing was judgeable
+    lease: float = 300.0  # seconds a claim is held before another worker may take the turn
+    min_backoff: float = 1.0
+    max_backoff: float = 60.0
+    retry_delay: float = 1.0  # before another attempt at a turn whose answer was unusable
+    limits: Limits = field(default_factory=Limits)
+    max_staleness: int | None = None
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    verdicts: int = 0  # turns with a final verdict recorded by this worker
+    judged: int = 0  # of which the judge scored
+    score_sum: float = 0.0
+    unparseable_answers: int = 0  # answers without a usable score (each one, retried or not)
+    given_up: int = 0  # turns recorded unparseable or failed
+    outages: int = 0  # judge calls that failed for the judge's own reasons
+    function_errors: int = 0
+    lost_claims: int = 0  # verdicts another worker recorded first (a lease ran out)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_usd: float = 0.0
+    judge_seconds: float = 0.0
+
+    @property
+    def mean_score(self) -> float | None:
+        return self.score_sum / self.judged if self.judged else None
+
+    def add_usage(self, usage: Usage | None) -> None:
+        if usage is None:
+            return
+        self.prompt_tokens += usage.prompt_tokens or 0
+        self.completion_tokens += usage.completion_tokens or 0
+        self.cost_usd += usage.cost_usd or 0.0
+        self.judge_seconds += usage.seconds
+
+
+class RewardWorker:
+    def __init__(
+        self,
+        db: sa.Engine,
+        decode: Decode,
+        *,
+        judge: Judge | None = None,
+        functions: list[RewardFunction] | None = None,
+        config: WorkerConfig | None = None,
+    ) -> None:
+        if judge is None and not functions:
+            raise ValueError("the reward worker needs a judge model or a reward function")
+        self.db = db
+        self.decode = decode
+        self.judge = judge
+        self.functions = list(functions or [])
+        self.config = config or WorkerConfig()
+        self.stats = WorkerStats()
+        self._in_flight: dict[str, asyncio.Task[None]] = {}
+        self._resume_at = 0.0
+        self._backoff = self.config.min_backoff
+        self._outage = Fault(log, "judge unreachable")
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Judge until ``stop`` is set, then let the turns in flight finish."""
+        try:
+            while not stop.is_set():
+                started = await self.poll()
+                wait = self._resume_at - time.monotonic() if self._paused else 0.0
+                if not started:
+                    wait = max(wait, self.config.interval)
+                if wait > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), wait)
+                elif self.in_flight >= self.config.concurrency:
+                    await asyncio.wait(list(self._in_flight.values()), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await self.drain()
+
+    async def run_once(self) -> int:
+        """Judge every turn judgeable now (retries and outages included) and return the verdicts recorded."""
+        before = self.stats.verdicts
+        while True:
+            if self._paused:
+                await asyncio.sleep(max(0.0, self._resume_at - time.monotonic()))
+            started = await self.poll()
+            if not started and not self._in_flight:
+                pending = await asyncio.to_thread(claims.backlog, self.db, max_staleness=self.config.max_staleness)
+                if not pending:
+                    return self.stats.verdicts - before
+                await asyncio.sleep(min(self.config.retry_delay, 0.2))
+                continue
+            if self._in_flight:
+                await asyncio.wait(list(self._in_flight.values()), return_when=asyncio.FIRST_COMPLETED)
+
+    async def drain(self) -> None:
+        if self._in_flight:
+            await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
+
+    async def aclose(self) -> None:
+        """Let the turns in flight finish and release the judge's resources."""
+        await self.drain()
+        if self.judge is not None:
+            await self.judge.aclose()
+
+    @property
+    def _paused(self) -> bool:
+        return time.monotonic() < self._resume_at
+
+    async def poll(self) -> int:
+        """Claim judgeable turns up to the concurrency limit and start them; returns how many started."""
+        room = self.config.concurrency - len(self._in_flight)
+        if room <= 0 or self._paused:
+            return 0
+        found = await asyncio.to_thread(
+            claims.candidates,
+            self.db,
+            room * 2,
+            exclude=set(self._in_flight),
+            max_staleness=self.config.max_staleness,
+        )
+        started = 0
+        for call_id, rollout_id in found:
+            if started >= room:
+                break
+            token = secrets.token_hex(16)
+            attempts = await asyncio.to_thread(claims.claim, self.db, call_id, rollout_id, token, self.config.lease)
+            if attempts is None:
+                continue  # another worker has it
+            task = asyncio.create_task(self._process(call_id, rollout_id, token, attempts), name=f"judge-{call_id}")
+            self._in_flight[call_id] = task
+            task.add_done_callback(self._forget)
+            started += 1
+        return started
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._in_flight.pop(task.get_name().removeprefix("judge-"), None)
+
+    async def _process(self, call_id: str, rollout_id: str, token: str, attempts: int) -> None:
+        try:
+            await self._judge_turn(call_id, rollout_id, token, attempts)
+        except Exception:
+            # A bug or the database going away mid-turn: the claim's lease runs out and the turn is tried again.
+            log.exception("turn %s: judging failed; it will be retried when its claim expires", call_id)
+
+    def _load(self, call_id: str) -> TurnView:
+        with Session(self.db) as session:
+            return load_turn(session, call_id, self.decode, self.config.limits)
+
+    async def _judge_turn(self, call_id: str, rollout_id: str, token: str, attempts: int) -> None:
+        try:
+            turn = await asyncio.to_thread(self._load, call_id)
+        except LookupError as error:
+            await self._finish(call_id, rollout_id, token, "failed", [], error=str(error))
+            return
+        rewards: list[claims.NewReward] = []
+        errors: list[str] = []
+        for fn in self.functions:
+            try:
+                got = await asyncio.to_thread(fn, turn)
+            except Exception as error:  # the user's code: report it with the turn, never stop the worker
+                self.stats.function_errors += 1
+                text = error.args[0] if isinstance(error, RewardFunctionError) else f"{type(error).__name__}: {error}"
+                log.warning("turn %s: reward function %s failed: %s", call_id, fn.spec, text)
+                errors.append(f"{fn.spec}: {text}")
+                continue
+            if got is not None:
+                rewards.append(claims.NewReward(got.value, fn.source, got.details))
+        if self.judge is None:
+            await self._finish(call_id, rollout_id, token, "done", rewards, error="; ".join(errors) or None)
+            return
+        try:
+            result = await self.judge.score(turn)
+        except UnparseableAnswer as error:
+            self.stats.unparseable_answers += 1
+            self.stats.add_usage(error.usage)
+            log.warning("turn %s: unparseable judge answer (%s): %r", call_id, error, error.answer[:200])
+            await self._turn_failed(call_id, rollout_id, token, attempts, "unparseable", rewards, str(error))
+            return
+        except JudgeError as error:
+            if error.kind == "outage":
+                self._judge_down(str(error))
+                await asyncio.to_thread(
+                    claims.release, self.db, call_id, token, retry_in=0.0, attempt=False, error=str(error)
+                )
+                return
+            log.warning("turn %s: the judge refused the request: %s", call_id, error)
+            await self._turn_failed(call_id, rollout_id, token, attempts, "failed", rewards, str(error))
+            return
+        self._judge_up()
+        usage = result.usage
+        self.stats.add_usage(usage)
+        details: dict[str, Any] = {
+            "reason": result.verdict.reason,
+            "model": usage.model,
+            "had_next_state": turn.has_next_state,
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "cost_usd": usage.cost_usd,
+            "seconds": round(usage.seconds, 3),
+        }
+        rewards.append(claims.NewReward(result.verdict.score, JUDGE_SOURCE, details))
+        recorded = await self._finish(
+            call_id,
+            rollout_id,
+            token,
+            "done",
+            rewards,
+            score=result.verdict.score,
+            reason=result.verdict.reason,
+            model=usage.model,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            cost_usd=usage.cost_usd,
+            had_next_state=turn.has_next_state,
+            error="; ".join(errors) or None,
+        )
+        if recorded:
+            self.stats.judged += 1
+            self.stats.score_sum += result.verdict.score
+
+    async def _turn_failed(
+        self,
+        call_id: str,
+        rollout_id: str,
+        token: str,
+        attempts: int,
+        status: str,
+        rewards: list[claims.NewReward],
+        error: str,
+    ) -> None:
+        """An attempt that was the turn's fault: retry it, or record it without a judge reward after the last."""
+        self._judge_up()
+        if attempts + 1 >= self.config.max_attempts:
+            self.stats.given_up += 1
+            log.warning("turn %s: no usable judge answer after %d attempts; recorded %s", call_id, attempts + 1, status)
+            await self._finish(call_id, rollout_id, token, status, rewards, attempt=True, error=error)
+            return
+        await asyncio.to_thread(
+            claims.release, self.db, call_id, token, retry_in=self.config.retry_delay, attempt=True, error=error
+        )
+
+    async def _finish(
+        self, call_id: str, rollout_id: str, token: str, status: str, rewards: list[claims.NewReward], **fields: Any
+    ) -> bool:
+        recorded = await asyncio.to_thread(
+            claims.finish, self.db, call_id, rollout_id, token, status=status, rewards=rewards, **fields
+        )
+        if recorded:
+            self.stats.verdicts += 1
+        else:
+            self.stats.lost_claims += 1
+            log.warning("turn %s: another worker recorded its verdict first (this claim had expired)", call_id)
+        return recorded
+
+    def _judge_down(self, error: str) -> None:
+        self.stats.outages += 1
+        self._outage.failed(error)
+        self._resume_at = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, self.config.max_backoff)
+
+    def _judge_up(self) -> None:
+        self._outage.cleared()
+        self._backoff = self.config.min_backoff
+
+    def describe(self) -> str:
+        s = self.stats
+        mean = "n/a" if s.mean_score is None else f"{s.mean_score:.3f}"
+        cost = "unknown" if not s.cost_usd else f"${s.cost_usd:.4f}"
+        return (
+            f"{s.verdicts} verdicts ({s.judged} judged, mean score {mean}); {s.unparseable_answers} unparseable "
+            f"answers, {s.given_up} given up, {s.function_errors} function errors, {s.outages} failed calls; "
+            f"tokens {s.prompt_tokens:,} in + {s.completion_tokens:,} out, cost {cost}; {self.in_flight} in flight"
+        )
+
+
+def build_worker(settings: Any) -> tuple[RewardWorker, sa.Engine]:
+    """The worker ``settings`` describe, with its database engine; raises ValueError on a configuration error."""
+    import os
+
+    from gateway.store import db
+    from rewards.functions import load
+    from rewards.judge import load_rubric
+
+    if not settings.reward_worker_enabled:
+        raise ValueError(
+            "nothing to judge with: set --judge-model (CLAWGATE_JUDGE_MODEL) or --reward-fn (CLAWGATE_REWARD_FUNCTIONS)"
+        )
+    functions = [load(spec) for spec in settings.reward_functions]
+    judge: Judge | None = None
+    if settings.judge_model:
+        api_key = None
+        if settings.judge_api_key_env:
+            # The one variable read outside Settings: its *name* is configuration; its value is a secret that must
+            # not be copied into settings (they are passed to child processes and may be printed).
+            api_key = os.environ.get(settings.judge_api_key_env)
+            if api_key is None:
+                raise ValueError(
+                    f"{settings.judge_api_key_env} is not set (CLAWGATE_JUDGE_API_KEY_ENV names it as the judge's key)"
+                )
+            api_key = api_key or None  # set but empty: a judge that takes no key
+        try:
+            rubric = load_rubric(settings.judge_rubric)
+        except OSError as error:
+            raise ValueError(f"cannot read the judge rubric {settings.judge_rubric}: {error}") from error
+        judge = Judge(
+            settings.judge_model,
+            api_base=settings.judge_api_base,
+            api_key=api_key,
+            rubric=rubric,
+            timeout=settings.judge_timeout,
+            max_tokens=settings.judge_max_answer_tokens,
+            temperature=settings.judge_temperature,
+        )
+    current, head = db.current_revision(settings.database_url), db.head_revision()
+    if current != head:
+        raise ValueError(f"database schema is at {current or 'nothing'}, expected {head}: run `clawgate db upgrade`")
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(settings.model)
+    except OSError as error:
+        raise ValueError(f"cannot load the tokenizer of {settings.model}: {error}") from error
+    config = WorkerConfig(
+        concurrency=settings.judge_concurrency,
+        max_attempts=settings.judge_max_attempts,
+        interval=settings.judge_interval,
+        lease=max(300.0, 3 * settings.judge_timeout),
+        limits=Limits(settings.judge_context_tokens, settings.judge_reply_tokens, settings.judge_next_state_tokens),
+        max_staleness=settings.train_max_staleness,
+    )
+    from rewards.turns import tokenizer_decode
+
+    engine = db.make_engine(settings.database_url)
+    return RewardWorker(engine, tokenizer_decode(tokenizer), judge=judge, functions=functions, config=config), engine
+
+
+__all__ = ["JUDGE_SOURCE", "RewardWorker", "WorkerConfig", "WorkerStats", "build_worker"]
