@@ -548,7 +548,7 @@ async def _report(worker: Any, stop: Any, every: float = 30.0) -> None:
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), every)
-        if worker.stats.verdicts != last:
+        if not stop.is_set() and worker.stats.verdicts != last:
             last = worker.stats.verdicts
             print(f"judge: {worker.describe()}", file=sys.stderr, flush=True)
 

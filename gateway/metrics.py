@@ -66,6 +66,17 @@ class Metrics:
             "clawgate_rollouts_ready", "Finished, rewarded rollouts not yet trained on", registry=r
         )
         self.rollouts_trained = Gauge("clawgate_rollouts_trained", "Rollouts consumed by train steps", registry=r)
+        self.turns_ready = Gauge(
+            "clawgate_turns_ready", "Turns of everyday traffic rewarded and ready, not yet trained on", registry=r
+        )
+        self.turns_trained = Gauge("clawgate_turns_trained", "Turns consumed by train steps", registry=r)
+        self.turns_waiting = Gauge(
+            "clawgate_turns_waiting",
+            "Turns of everyday traffic not trained yet, by what they wait for (next_state, judge)",
+            ["for"],
+            registry=r,
+        )
+        self.judgements = Gauge("clawgate_judgements", "Reward-worker verdicts by status", ["status"], registry=r)
         self.policy_staleness = Gauge(
             "clawgate_policy_staleness",
             "Versions between the newest published one and the one served (0: serving the newest)",

@@ -62,7 +62,8 @@ class Settings(BaseSettings):
 
     # Trainer (`clawgate train`, `clawgate up`)
     train_algorithm: Literal["grpo", "ppo"] = "grpo"
-    train_lr: float = Field(default=1e-5, gt=0)
+    # 0 makes a control run: versions are published and served, the weights never change.
+    train_lr: float = Field(default=1e-5, ge=0)
     # A step starts when this many rollouts are ready and they span at least `train_min_groups` usable groups.
     train_min_rollouts: int = Field(default=8, ge=1)
     train_min_groups: int = Field(default=1, ge=0)

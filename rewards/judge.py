@@ -23,6 +23,7 @@ price list from the internet at import time, which a self-hosted deployment may 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -209,6 +210,9 @@ def _import_litellm() -> Any:
     import litellm
 
     litellm.suppress_debug_info = True
+    # LiteLLM logs a line per completion at INFO; the worker reports its own progress (one line per 30 s).
+    for name in ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     return litellm
 
 

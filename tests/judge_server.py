@@ -119,3 +119,20 @@ class JudgeServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def main() -> None:
+    """Serve a constant verdict (for benchmarks that measure the reward worker alone): PORT [DELAY]."""
+    import sys
+
+    port, delay = int(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
+    server = JudgeServer(lambda m: '{"score": 0.5, "reason": "constant"}', delay=delay, port=port).start()
+    print(f"judge server on {server.url}", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

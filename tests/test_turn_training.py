@@ -141,6 +141,8 @@ def test_a_turn_is_ready_once_rewarded_with_its_next_state_known(scripted):
     assert ready(db) == {first}, "the second turn waits for its next state (its session goes on)"
     backlog = turns.backlog(db, 0, await_judge=False)
     assert (backlog.ready, backlog.awaiting_next_state) == (1, 1)
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert "clawgate_turns_ready 1.0" in metrics and 'clawgate_turns_waiting{for="next_state"} 1.0' in metrics
     r = httpx.post(f"{gw.url}/v1/rollouts/{rollout}/finish", json={"status": "completed"}, headers=ADMIN)
     assert r.status_code == 200
     assert ready(db) == {first, second}, "a closed rollout's last turn needs no next state"

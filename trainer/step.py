@@ -261,113 +261,17 @@ class Trainer:
         if len(ids) + len(turn_ids) < cfg.min_rollouts:
             return None
         data = self._hold_lonely([d for d in (load_rollout(self.db, i, cfg.tree) for i in ids) if d is not None])
-        turn_data = load_turns(self.db, turn_ids)
-        if len(data) + len(turn_data) < cfg.min_rollouts:
+        plan = _Plan(data, load_turns(self.db, turn_ids))
+        if len(plan.rollouts) + len(plan.turns) < cfg.min_rollouts:
             return None
-        skipped: dict[str, str] = {}
-        usable: list[RolloutData] = []
-        staleness: list[int] = []
-        for d in data:
-            served = _served_version(d)
-            stale = self.version - served
-            if d.tree.dropped:
-                skipped[d.rollout.id] = f"tree dropped: {d.tree.report.dropped_reason}"
-            elif d.reward is None:
-                skipped[d.rollout.id] = "no reward"
-            elif cfg.max_staleness is not None and stale > cfg.max_staleness:
-                skipped[d.rollout.id] = f"stale: served by policy@v{served}, {stale} versions behind"
-            else:
-                usable.append(d)
-                staleness.append(stale)
-        usable_turns: list[TurnData] = []
-        for t in turn_data:
-            served = t.policy_version or 0
-            stale = self.version - served
-            if t.reward is None:
-                skipped[t.call_id] = "no reward"
-            elif cfg.max_staleness is not None and stale > cfg.max_staleness:
-                skipped[t.call_id] = f"stale: served by policy@v{served}, {stale} versions behind"
-            else:
-                usable_turns.append(t)
-                staleness.append(stale)
-        if cfg.advantage == "critic":
-            trained, trained_turns, metrics, advantages, turn_advantages = self._critic_step(usable, usable_turns)
-        else:
-            rewards = {d.rollout.id: float(d.reward) for d in usable if d.reward is not None}
-            result: AdvantageResult
-            if cfg.advantage == "group":
-                result = group_advantages(
-                    rewards,
-                    {d.rollout.id: _group(d) for d in usable},
-                    scale_by_std=cfg.scale_by_std,
-                    baseline=cfg.baseline,  # type: ignore[arg-type]
-                )
-            else:
-                keys = {d.rollout.id: f"rollouts:{d.rollout.harness or 'unknown'}" for d in usable}
-                result = batch_advantages(rewards, keys, scale_by_std=cfg.scale_by_std)
-            turn_result = batch_advantages(
-                {t.call_id: t.reward.value for t in usable_turns if t.reward is not None},
-                {t.call_id: t.baseline_key for t in usable_turns},
-                scale_by_std=cfg.scale_by_std,
-            )
-            skipped.update(result.skipped)
-            skipped.update(turn_result.skipped)
-            advantages, turn_advantages = result.advantages, turn_result.advantages
-            trained = [d for d in usable if d.rollout.id in advantages]
-            trained_turns = [t for t in usable_turns if t.call_id in turn_advantages]
-            trees: list[RolloutTree] = [d.tree for d in trained]
-            credits: list[Credit] = [advantages[d.rollout.id] for d in trained]
-            for _, tree in turn_trees(self.db, trained_turns):
-                trees.append(tree)
-                credits.append(turn_advantages)
-            log.info(
-                "step from policy@v%d: %d rollouts (%d with signal), %d turns (%d with signal)",
-                self.version,
-                len(data),
-                len(trained),
-                len(turn_data),
-                len(trained_turns),
-            )
-            metrics = self._optimize(trees, credits) if trees else {}
-        metrics.update(
-            {
-                "rollouts": float(len(data)),
-                "rollouts_trained": float(len(trained)),
-                "turns": float(len(turn_data)),
-                "turns_trained": float(len(trained_turns)),
-                "rollouts_skipped": float(len(skipped)),
-                "staleness_max": float(max(staleness, default=0)),
-            }
-        )
-        # Means of nothing are left out, not NaN: PostgreSQL's JSON has no NaN.
-        rewards_seen = [d.reward for d in usable if d.reward is not None]
-        if rewards_seen:
-            metrics["reward_mean"] = _mean(rewards_seen)
-        turn_rewards_seen = [t.reward.value for t in usable_turns if t.reward is not None]
-        if turn_rewards_seen:
-            metrics["turn_reward_mean"] = _mean(turn_rewards_seen)
-        if staleness:
-            metrics["staleness_mean"] = _mean([float(x) for x in staleness])
+        self._screen(plan)
+        metrics = self._critic_step(plan) if cfg.advantage == "critic" else self._policy_gradient_step(plan)
+        metrics.update(plan.figures())
+        consumed, consumed_turns = self._consumed(plan)
+        metrics["rollouts_skipped"] = float(sum(1 for k in plan.skipped if k in consumed))
+        metrics["turns_skipped"] = float(sum(1 for k in plan.skipped if k in consumed_turns))
+        metrics["rollouts_stale"] = float(sum(1 for r in plan.skipped.values() if r.startswith("stale")))
         version = self.version + 1
-        consumed = {rid: advantages.get(rid) for rid in [d.rollout.id for d in data]}
-        consumed_turns: dict[str, tuple[str, float | None, float | None]] = {
-            t.call_id: (t.rollout_id, None if t.reward is None else t.reward.value, turn_advantages.get(t.call_id))
-            for t in turn_data
-        }
-        if cfg.max_staleness is not None:
-            # The backlog beyond the staleness bound is consumed (and reported) without loading its trees.
-            oldest_ok = self.version - cfg.max_staleness
-            for rid, served in stale_rollouts(self.db, cfg.epoch, oldest_ok).items():
-                if rid not in consumed:
-                    consumed[rid] = None
-                    skipped[rid] = f"stale: served by policy@v{served}, {self.version - served} versions behind"
-            for cid, (rid, served) in stale_turns(self.db, cfg.epoch, oldest_ok).items():
-                if cid not in consumed_turns:
-                    consumed_turns[cid] = (rid, None, None)
-                    skipped[cid] = f"stale: served by policy@v{served}, {self.version - served} versions behind"
-        metrics["rollouts_skipped"] = float(sum(1 for k in skipped if k in consumed))
-        metrics["turns_skipped"] = float(sum(1 for k in skipped if k in consumed_turns))
-        metrics["rollouts_stale"] = float(sum(1 for r in skipped.values() if r.startswith("stale")))
         step_id = self._publish(
             lora.Manifest(
                 version=version,
@@ -385,35 +289,102 @@ class Trainer:
             metrics=metrics,
         )
         self.version = version
-        seconds = time.perf_counter() - t0
         return StepResult(
             step_id,
             version,
-            len(data),
-            len(trained),
-            skipped,
+            len(plan.rollouts),
+            len(plan.trained),
+            plan.skipped,
             metrics,
-            seconds,
-            turns=len(turn_data),
-            trained_turns=len(trained_turns),
+            time.perf_counter() - t0,
+            turns=len(plan.turns),
+            trained_turns=len(plan.trained_turns),
         )
 
-    def _critic_step(
-        self, usable: list[RolloutData], usable_turns: list[TurnData]
-    ) -> tuple[list[RolloutData], list[TurnData], dict[str, float], dict[str, float], dict[str, float]]:
+    def _screen(self, plan: _Plan) -> None:
+        """Sort out what cannot train: dropped trees, missing rewards, data beyond the staleness bound."""
+        bound = self.config.max_staleness
+        for d in plan.rollouts:
+            served = _served_version(d)
+            stale = self.version - served
+            if d.tree.dropped:
+                plan.skipped[d.rollout.id] = f"tree dropped: {d.tree.report.dropped_reason}"
+            elif d.reward is None:
+                plan.skipped[d.rollout.id] = "no reward"
+            elif bound is not None and stale > bound:
+                plan.skipped[d.rollout.id] = f"stale: served by policy@v{served}, {stale} versions behind"
+            else:
+                plan.usable.append(d)
+                plan.staleness.append(stale)
+        for t in plan.turns:
+            served = t.policy_version or 0
+            stale = self.version - served
+            if t.reward is None:
+                plan.skipped[t.call_id] = "no reward"
+            elif bound is not None and stale > bound:
+                plan.skipped[t.call_id] = f"stale: served by policy@v{served}, {stale} versions behind"
+            else:
+                plan.usable_turns.append(t)
+                plan.staleness.append(stale)
+
+    def _policy_gradient_step(self, plan: _Plan) -> dict[str, float]:
+        """Advantages from a baseline (GRPO group or batch), then one update with per-token credit."""
+        cfg = self.config
+        rewards = {d.rollout.id: float(d.reward) for d in plan.usable if d.reward is not None}
+        result: AdvantageResult
+        if cfg.advantage == "group":
+            groups = {d.rollout.id: _group(d) for d in plan.usable}
+            result = group_advantages(
+                rewards,
+                groups,
+                scale_by_std=cfg.scale_by_std,
+                baseline=cfg.baseline,  # type: ignore[arg-type]
+            )
+        else:
+            keys = {d.rollout.id: f"rollouts:{d.rollout.harness or 'unknown'}" for d in plan.usable}
+            result = batch_advantages(rewards, keys, scale_by_std=cfg.scale_by_std)
+        turn_result = batch_advantages(
+            {t.call_id: t.reward.value for t in plan.usable_turns if t.reward is not None},
+            {t.call_id: t.baseline_key for t in plan.usable_turns},
+            scale_by_std=cfg.scale_by_std,
+        )
+        plan.skipped.update(result.skipped)
+        plan.skipped.update(turn_result.skipped)
+        plan.advantages, plan.turn_advantages = result.advantages, turn_result.advantages
+        plan.trained = [d for d in plan.usable if d.rollout.id in plan.advantages]
+        plan.trained_turns = [t for t in plan.usable_turns if t.call_id in plan.turn_advantages]
+        trees: list[RolloutTree] = [d.tree for d in plan.trained]
+        credits: list[Credit] = [plan.advantages[d.rollout.id] for d in plan.trained]
+        for _, tree in turn_trees(self.db, plan.trained_turns):
+            trees.append(tree)
+            credits.append(plan.turn_advantages)
+        log.info(
+            "step from policy@v%d: %d rollouts (%d with signal), %d turns (%d with signal)",
+            self.version,
+            len(plan.rollouts),
+            len(plan.trained),
+            len(plan.turns),
+            len(plan.trained_turns),
+        )
+        return self._optimize(trees, credits) if trees else {}
+
+    def _critic_step(self, plan: _Plan) -> dict[str, float]:
         """PPO: GAE per branch (rollouts) and per turn (turns) with the value head; every usable item trains."""
-        trees: list[RolloutTree] = [d.tree for d in usable]
-        rewards: list[float | dict[str, float]] = [cast(float, d.reward) for d in usable]
-        turn_rewards = {t.call_id: t.reward.value for t in usable_turns if t.reward is not None}
-        for _, tree in turn_trees(self.db, usable_turns):
+        plan.trained, plan.trained_turns = plan.usable, plan.usable_turns
+        trees: list[RolloutTree] = [d.tree for d in plan.usable]
+        rewards: list[float | dict[str, float]] = [cast(float, d.reward) for d in plan.usable]
+        turn_rewards = {t.call_id: t.reward.value for t in plan.usable_turns if t.reward is not None}
+        for _, tree in turn_trees(self.db, plan.usable_turns):
             trees.append(tree)
             rewards.append(turn_rewards)
-        log.info("step from policy@v%d (ppo): %d rollouts, %d turns", self.version, len(usable), len(usable_turns))
+        log.info(
+            "step from policy@v%d (ppo): %d rollouts, %d turns", self.version, len(plan.usable), len(plan.usable_turns)
+        )
         if not trees:
-            return usable, usable_turns, {}, {}, {}
+            return {}
+        assert self.critic is not None
         per_tree: dict[int, float] = {}
         per_call: dict[str, float] = {}
-        assert self.critic is not None
         metrics = ppo.optimize(
             self.policy,
             self.optimizer,
@@ -425,14 +396,32 @@ class Trainer:
             call_advantages=per_call,
             progress=self.progress,
         )
-        advantages = {usable[i].rollout.id: a for i, a in per_tree.items() if i < len(usable)}
-        return (
-            usable,
-            usable_turns,
-            metrics,
-            advantages,
-            {t.call_id: per_call.get(t.call_id, 0.0) for t in usable_turns},
-        )
+        plan.advantages = {plan.usable[i].rollout.id: a for i, a in per_tree.items() if i < len(plan.usable)}
+        plan.turn_advantages = {t.call_id: per_call.get(t.call_id, 0.0) for t in plan.usable_turns}
+        return metrics
+
+    def _consumed(
+        self, plan: _Plan
+    ) -> tuple[dict[str, float | None], dict[str, tuple[str, float | None, float | None]]]:
+        """Everything the step consumes, with its advantage (None: consumed untrained), stale backlog included."""
+        cfg = self.config
+        consumed = {d.rollout.id: plan.advantages.get(d.rollout.id) for d in plan.rollouts}
+        consumed_turns = {
+            t.call_id: (t.rollout_id, None if t.reward is None else t.reward.value, plan.turn_advantages.get(t.call_id))
+            for t in plan.turns
+        }
+        if cfg.max_staleness is not None:
+            # The backlog beyond the staleness bound is consumed (and reported) without loading its trees.
+            oldest_ok = self.version - cfg.max_staleness
+            for rid, served in stale_rollouts(self.db, cfg.epoch, oldest_ok).items():
+                if rid not in consumed:
+                    consumed[rid] = None
+                    plan.skipped[rid] = f"stale: served by policy@v{served}, {self.version - served} versions behind"
+            for cid, (rid, served) in stale_turns(self.db, cfg.epoch, oldest_ok).items():
+                if cid not in consumed_turns:
+                    consumed_turns[cid] = (rid, None, None)
+                    plan.skipped[cid] = f"stale: served by policy@v{served}, {self.version - served} versions behind"
+        return consumed, consumed_turns
 
     def _hold_lonely(self, data: list[RolloutData]) -> list[RolloutData]:
         """Leave out (for a later step) a group's only ready member while it may still get company."""
@@ -572,6 +561,41 @@ class Trainer:
                 )
             )
         return step_id
+
+
+@dataclass(slots=True)
+class _Plan:
+    """One step's data: what was loaded, what can train, the advantages, and why the rest is skipped."""
+
+    rollouts: list[RolloutData]
+    turns: list[TurnData]
+    usable: list[RolloutData] = field(default_factory=list)
+    usable_turns: list[TurnData] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)  # versions behind, per usable item
+    skipped: dict[str, str] = field(default_factory=dict)  # rollout or call id -> why it is not trained
+    advantages: dict[str, float] = field(default_factory=dict)  # rollout id -> advantage
+    turn_advantages: dict[str, float] = field(default_factory=dict)  # call id -> advantage
+    trained: list[RolloutData] = field(default_factory=list)
+    trained_turns: list[TurnData] = field(default_factory=list)
+
+    def figures(self) -> dict[str, float]:
+        out = {
+            "rollouts": float(len(self.rollouts)),
+            "rollouts_trained": float(len(self.trained)),
+            "turns": float(len(self.turns)),
+            "turns_trained": float(len(self.trained_turns)),
+            "staleness_max": float(max(self.staleness, default=0)),
+        }
+        # Means of nothing are left out, not NaN: PostgreSQL's JSON has no NaN.
+        rewards = [d.reward for d in self.usable if d.reward is not None]
+        if rewards:
+            out["reward_mean"] = _mean(rewards)
+        turn_rewards = [t.reward.value for t in self.usable_turns if t.reward is not None]
+        if turn_rewards:
+            out["turn_reward_mean"] = _mean(turn_rewards)
+        if self.staleness:
+            out["staleness_mean"] = _mean([float(x) for x in self.staleness])
+        return out
 
 
 def _group(d: RolloutData) -> str:

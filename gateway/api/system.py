@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -11,7 +12,8 @@ from fastapi.responses import JSONResponse, Response
 from sqlalchemy.orm import Session
 
 from gateway.api.deps import State
-from gateway.store.models import PolicyVersion, Reward, Rollout, TrainedRollout
+from gateway.store import turns
+from gateway.store.models import Judgement, PolicyVersion, Reward, Rollout, TrainedRollout, TrainedTurn
 
 router = APIRouter()
 
@@ -41,16 +43,31 @@ async def metrics(state: State) -> Response:
     m.capture_queue.set(stats.queued)
     m.capture_written.set(stats.written)
     m.capture_retries.set(stats.retries)
-    ready, trained, newest = await asyncio.to_thread(training_counts, state.db)
-    m.rollouts_ready.set(ready)
-    m.rollouts_trained.set(trained)
-    if newest is not None and state.service.policy_version is not None:
-        m.policy_staleness.set(newest - state.service.policy_version)
+    counts = await asyncio.to_thread(training_counts, state.db, state.settings.awaits_judge)
+    m.rollouts_ready.set(counts.rollouts_ready)
+    m.rollouts_trained.set(counts.rollouts_trained)
+    m.turns_ready.set(counts.turns.ready)
+    m.turns_trained.set(counts.turns_trained)
+    m.turns_waiting.labels("next_state").set(counts.turns.awaiting_next_state)
+    m.turns_waiting.labels("judge").set(counts.turns.awaiting_judge)
+    for status in ("running", *turns.FINAL):
+        m.judgements.labels(status).set(counts.judgements.get(status, 0))
+    if counts.newest is not None and state.service.policy_version is not None:
+        m.policy_staleness.set(counts.newest - state.service.policy_version)
     return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def training_counts(db: sa.Engine) -> tuple[int, int, int | None]:
-    """(rollouts ready for training, rollouts trained on, newest published version)."""
+@dataclass(slots=True)
+class TrainingCounts:
+    rollouts_ready: int  # rollouts of task runs ready for training
+    rollouts_trained: int
+    turns: turns.Backlog  # turns of everyday traffic: ready, waiting for their next state or the judge
+    turns_trained: int
+    judgements: dict[str, int]  # reward-worker verdicts by status
+    newest: int | None  # the newest published version
+
+
+def training_counts(db: sa.Engine, await_judge: bool) -> TrainingCounts:
     trained = sa.select(TrainedRollout.rollout_id)
     rewarded = sa.select(Reward.rollout_id).where(Reward.call_id.is_(None))
     with Session(db) as session:
@@ -60,10 +77,20 @@ def training_counts(db: sa.Engine) -> tuple[int, int, int | None]:
             .where(
                 Rollout.status == "completed",
                 Rollout.eval.is_(False),
+                Rollout.group_key.is_not(None),
                 Rollout.id.in_(rewarded),
                 Rollout.id.not_in(trained),
             )
         )
         done = session.scalar(sa.select(sa.func.count(sa.distinct(TrainedRollout.rollout_id))))
+        turns_done = session.scalar(sa.select(sa.func.count(sa.distinct(TrainedTurn.call_id))))
+        verdicts = dict(session.execute(sa.select(Judgement.status, sa.func.count()).group_by(Judgement.status)).all())
         newest = session.scalar(sa.select(sa.func.max(PolicyVersion.version)))
-    return int(ready or 0), int(done or 0), newest
+    return TrainingCounts(
+        rollouts_ready=int(ready or 0),
+        rollouts_trained=int(done or 0),
+        turns=turns.backlog(db, 0, await_judge=await_judge),
+        turns_trained=int(turns_done or 0),
+        judgements={str(k): int(v) for k, v in verdicts.items()},
+        newest=newest,
+    )
