@@ -89,27 +89,36 @@ def _insert_ignore(dialect: str) -> Any:
 
 
 def claim(db: sa.Engine, call_id: str, rollout_id: str, token: str, lease_seconds: float) -> int | None:
-    """Take the turn for ``lease_seconds``; returns its attempts so far, or None when it is not available."""
+    """Take one turn for ``lease_seconds``; returns its attempts so far, or None when it is not available."""
+    return claim_many(db, [(call_id, rollout_id)], token, lease_seconds).get(call_id)
+
+
+def claim_many(db: sa.Engine, turns_: list[tuple[str, str]], token: str, lease_seconds: float) -> dict[str, int]:
+    """Take the available ones of (call id, rollout id) in one transaction: call id -> attempts so far."""
+    if not turns_:
+        return {}
     now = utcnow()
+    ids = [call_id for call_id, _ in turns_]
     with db.begin() as connection:
         connection.execute(
             _insert_ignore(db.dialect.name),
-            [{"call_id": call_id, "rollout_id": rollout_id, "status": "running", "attempts": 0, "created_at": now}],
+            [
+                {"call_id": call_id, "rollout_id": rollout_id, "status": "running", "attempts": 0, "created_at": now}
+                for call_id, rollout_id in turns_
+            ],
         )
         taken = connection.execute(
             sa.update(Judgement)
             .where(
-                Judgement.call_id == call_id,
+                Judgement.call_id.in_(ids),
                 Judgement.status == "running",
                 sa.or_(Judgement.claimed_until.is_(None), Judgement.claimed_until <= now),
                 sa.or_(Judgement.retry_at.is_(None), Judgement.retry_at <= now),
             )
             .values(claim=token, claimed_until=now + dt.timedelta(seconds=lease_seconds))
-        )
-        if taken.rowcount != 1:
-            return None
-        attempts = connection.scalar(sa.select(Judgement.attempts).where(Judgement.call_id == call_id))
-    return int(attempts or 0)
+            .returning(Judgement.call_id, Judgement.attempts)
+        ).all()
+    return {str(call_id): int(attempts or 0) for call_id, attempts in taken}
 
 
 def release(db: sa.Engine, call_id: str, token: str, *, retry_in: float, attempt: bool, error: str) -> bool:
@@ -190,4 +199,13 @@ def finish(
     return True
 
 
-__all__ = ["NewReward", "backlog", "candidates", "claim", "finish", "oldest_useful_version", "release"]
+__all__ = [
+    "NewReward",
+    "backlog",
+    "candidates",
+    "claim",
+    "claim_many",
+    "finish",
+    "oldest_useful_version",
+    "release",
+]

@@ -274,11 +274,11 @@ class Judge:
 
     def _usage(self, response: Any, seconds: float) -> Usage:
         used = getattr(response, "usage", None)
-        cost: float | None
-        try:
-            cost = float(self._litellm.completion_cost(completion_response=response))
-        except Exception:  # a model without a price (self-hosted, a test server): cost unknown, not zero
-            cost = None
+        # LiteLLM prices every response it can (its price list) and keeps the figure with it; None for a model
+        # without a price (self-hosted, a test server): unknown, not zero.
+        hidden = getattr(response, "_hidden_params", None) or {}
+        raw_cost = hidden.get("response_cost")
+        cost = float(raw_cost) if isinstance(raw_cost, int | float) else None
         return Usage(
             model=str(getattr(response, "model", None) or self.model),
             prompt_tokens=getattr(used, "prompt_tokens", None),

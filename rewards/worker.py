@@ -169,19 +169,15 @@ class RewardWorker:
             exclude=set(self._in_flight),
             max_staleness=self.config.max_staleness,
         )
-        started = 0
-        for call_id, rollout_id in found:
-            if started >= room:
-                break
-            token = secrets.token_hex(16)
-            attempts = await asyncio.to_thread(claims.claim, self.db, call_id, rollout_id, token, self.config.lease)
-            if attempts is None:
-                continue  # another worker has it
+        rollout_of = dict(found[:room])
+        token = secrets.token_hex(16)  # one claim token for the batch; a verdict is recorded per (turn, token)
+        taken = await asyncio.to_thread(claims.claim_many, self.db, list(rollout_of.items()), token, self.config.lease)
+        for call_id, attempts in taken.items():  # the others another worker holds
+            rollout_id = rollout_of[call_id]
             task = asyncio.create_task(self._process(call_id, rollout_id, token, attempts), name=f"judge-{call_id}")
             self._in_flight[call_id] = task
             task.add_done_callback(self._forget)
-            started += 1
-        return started
+        return len(taken)
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         self._in_flight.pop(task.get_name().removeprefix("judge-"), None)

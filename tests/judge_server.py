@@ -59,6 +59,14 @@ class JudgeServer:
             def log_message(self, *args: Any) -> None:
                 pass
 
+            def do_GET(self) -> None:
+                if self.path.rstrip("/").endswith("/stats"):
+                    with judge._lock:
+                        stats = {"requests": len(judge.requests), "max_in_flight": judge.max_in_flight}
+                    self._send(200, stats)
+                else:
+                    self._send(404, {"error": {"message": "not found"}})
+
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
                 with judge._lock:

@@ -171,3 +171,11 @@ def test_a_slow_judge_times_out_as_an_outage():
     with JudgeServer(lambda m: '{"score": 1}', delay=3.0) as server, pytest.raises(JudgeError) as caught:
         asyncio.run(judge_for(server, timeout=0.5).score(turn()))
     assert caught.value.kind == "outage"
+
+
+def test_a_priced_model_reports_the_cost_from_litellms_price_list():
+    with JudgeServer(lambda m: '{"score": 0.5, "reason": "ok"}') as server:
+        result = asyncio.run(Judge("openai/gpt-4o-mini", api_base=server.url, api_key="k").score(turn()))
+    # gpt-4o-mini: $0.15 per million prompt tokens, $0.60 per million completion tokens; the server reports 100 + 20.
+    assert result.usage.model == "gpt-4o-mini"
+    assert result.usage.cost_usd == pytest.approx(100 * 0.15e-6 + 20 * 0.60e-6)
