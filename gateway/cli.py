@@ -531,8 +531,13 @@ def cmd_judge(args: argparse.Namespace) -> int:
         finally:
             await worker.aclose()
 
+    from rewards.worker import JudgeUnavailable
+
     try:
         asyncio.run(main())
+    except JudgeUnavailable as exc:
+        print(f"error: the judge cannot be reached ({exc}); the turns wait for the next run", file=sys.stderr)
+        return 1
     finally:
         print(f"judge: {worker.describe()}", file=sys.stderr, flush=True)
         engine.dispose()

@@ -84,6 +84,10 @@ class WorkerStats:
         self.judge_seconds += usage.seconds
 
 
+class JudgeUnavailable(RuntimeError):
+    """``run_once`` met a judge outage: the turns it could not judge are left for a later run."""
+
+
 class RewardWorker:
     def __init__(
         self,
@@ -128,11 +132,15 @@ class RewardWorker:
             await self.drain()
 
     async def run_once(self) -> int:
-        """Judge every turn judgeable now (retries and outages included) and return the verdicts recorded."""
+        """Judge every turn judgeable now (retries included) and return the verdicts recorded.
+
+        Raises ``JudgeUnavailable`` when the judge cannot be reached (the turns stay for a later run).
+        """
         before = self.stats.verdicts
         while True:
-            if self._paused:
-                await asyncio.sleep(max(0.0, self._resume_at - time.monotonic()))
+            if self._outage.active:
+                await self.drain()
+                raise JudgeUnavailable(self._outage.last_error or "the judge cannot be reached")
             started = await self.poll()
             if not started and not self._in_flight:
                 pending = await asyncio.to_thread(claims.backlog, self.db, max_staleness=self.config.max_staleness)
@@ -381,4 +389,4 @@ def build_worker(settings: Any) -> tuple[RewardWorker, sa.Engine]:
     return RewardWorker(engine, tokenizer_decode(tokenizer), judge=judge, functions=functions, config=config), engine
 
 
-__all__ = ["JUDGE_SOURCE", "RewardWorker", "WorkerConfig", "WorkerStats", "build_worker"]
+__all__ = ["JUDGE_SOURCE", "JudgeUnavailable", "RewardWorker", "WorkerConfig", "WorkerStats", "build_worker"]

@@ -310,3 +310,82 @@ def test_reward_function_specs_and_return_values_are_checked(tmp_path):
     for bad in ("high", float("nan"), [1.0], {"score": 1}):
         with pytest.raises(RewardFunctionError):
             interpret(bad, "f")
+
+
+def test_the_judge_command_refuses_to_run_without_a_judge_or_function(sqlite_url, capsys):
+    from gateway.cli import main
+
+    assert main(["judge", "--database-url", sqlite_url]) == 2
+    assert "nothing to judge with: set --judge-model" in capsys.readouterr().err
+
+
+def test_the_judge_command_names_a_missing_key_variable(sqlite_url, capsys, monkeypatch):
+    from gateway.cli import main
+
+    monkeypatch.delenv("NO_SUCH_JUDGE_KEY", raising=False)
+    args = [
+        "judge",
+        "--database-url",
+        sqlite_url,
+        "--judge-model",
+        "openai/x",
+        "--judge-api-key-env",
+        "NO_SUCH_JUDGE_KEY",
+    ]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "NO_SUCH_JUDGE_KEY is not set" in err
+
+
+def test_judge_once_then_read_the_reasons(setup, tiny_model_dir, monkeypatch, capsys):
+    from gateway.cli import main
+
+    gw, engine, _ = setup
+    (first, second, rollout), *_ = conversations(gw, engine, 1)
+    monkeypatch.setenv("TEST_JUDGE_KEY", "secret-value-never-printed")
+    with JudgeServer(score_by_reply) as server:
+        code = main(
+            [
+                "judge",
+                "--once",
+                "--model",
+                str(tiny_model_dir),
+                "--database-url",
+                gw.settings.database_url,
+                "--judge-model",
+                "openai/test-judge",
+                "--judge-api-base",
+                server.url,
+                "--judge-api-key-env",
+                "TEST_JUDGE_KEY",
+            ]
+        )
+    assert code == 0
+    captured = capsys.readouterr()
+    assert "judge: 1 verdicts (1 judged, mean score 0.200)" in captured.err
+    assert "secret-value-never-printed" not in captured.out + captured.err
+    assert main(["turns", "--database-url", gw.settings.database_url, "--json"]) == 0
+    rows_out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    by_call = {r["call_id"]: r for r in rows_out}
+    assert by_call[first]["judge_status"] == "done" and by_call[first]["rewards"] == {"judge": 0.2}
+    assert by_call[first]["judge_reason"].startswith("judged") and by_call[first]["next_call_id"] == second
+    assert by_call[second]["state"].startswith("awaiting its next state; not judged; not trained yet")
+    assert main(["turns", rollout, "--database-url", gw.settings.database_url]) == 0
+    text = capsys.readouterr().out
+    assert f"{first}  rollout {rollout}" in text and "judge: judged" in text
+
+
+def test_judge_once_with_the_judge_down_exits_and_leaves_the_turns(setup, tiny_model_dir, capsys, monkeypatch):
+    from gateway.cli import main
+
+    monkeypatch.setenv("TEST_JUDGE_KEY", "k")
+    gw, engine, db = setup
+    conversations(gw, engine, 1)
+    down = f"http://127.0.0.1:{JudgeServer(score_by_reply).port}/v1"  # nothing listens there
+    args = ["judge", "--once", "--model", str(tiny_model_dir), "--database-url", gw.settings.database_url]
+    assert (
+        main([*args, "--judge-model", "openai/x", "--judge-api-base", down, "--judge-api-key-env", "TEST_JUDGE_KEY"])
+        == 1
+    )
+    assert "the judge cannot be reached" in capsys.readouterr().err
+    assert rows(db, Reward) == [] and {j.status for j in rows(db, Judgement)} == {"running"}
