@@ -319,7 +319,7 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
         "--min-groups", dest="train_min_groups", type=int, help="groups of 2+ ready rollouts a step waits for"
     )
     g.add_argument("--interval", dest="train_interval", type=float, help="seconds between looks when idle")
-    g.add_argument("--max-rollouts", dest="train_max_rollouts", type=int, help="rollouts per step at most")
+    g.add_argument("--max-rollouts", dest="train_max_rollouts", type=int, help="rollouts (and turns) per step at most")
     g.add_argument(
         "--max-staleness", dest="train_max_staleness", type=int, help="skip rollouts served this many versions back"
     )

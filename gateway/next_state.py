@@ -28,6 +28,7 @@ RULE_SOURCE = "rule:tool_error"
 # A shell tool's exit status as harnesses print it, on a line of its own.
 _EXIT_STATUS = re.compile(r"^\s*(?:Process exited with code|Exit code:?)\s*(-?\d+)\s*$", re.MULTILINE | re.IGNORECASE)
 _EXCERPT = 200
+_SCAN = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +58,8 @@ def tool_errors(messages: list[Message]) -> list[ToolError]:
         text = m.content or ""
         why: str | None = "marked as an error" if m.is_error else None
         if why is None:
-            status = _EXIT_STATUS.search(text)
+            # Shells print the status at the start (Codex) or the end of a result: a huge output costs no more.
+            status = _EXIT_STATUS.search(text[:_SCAN]) or _EXIT_STATUS.search(text[-_SCAN:])
             if status is not None and int(status.group(1)) != 0:
                 why = f"exit code {int(status.group(1))}"
         if why is not None:

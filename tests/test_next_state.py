@@ -187,3 +187,10 @@ def test_the_rule_is_off_at_zero(gateway_factory, tiny_tokenizer):
     assert _rewards(gw.settings.database_url) == []
     parent, child = _calls(gw.settings.database_url)
     assert parent.next_call_id == child.id, "the next state is recorded whether or not the rule is on"
+
+
+def test_a_huge_tool_result_is_scanned_at_its_ends_only():
+    body = "x" * 2_000_000
+    assert [e.why for e in tool_errors([Message(role="tool", content=body + "\nExit code: 4")])] == ["exit code 4"]
+    assert [e.why for e in tool_errors([Message(role="tool", content="Exit code: 5\n" + body)])] == ["exit code 5"]
+    assert tool_errors([Message(role="tool", content=body + "\nExit code: 6\n" + body)]) == []

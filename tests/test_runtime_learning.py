@@ -27,13 +27,13 @@ sys.modules["runtime_learning"] = runtime_learning
 _spec.loader.exec_module(runtime_learning)
 
 
-def check(result: runtime_learning.Result) -> None:
+def check(result: runtime_learning.Result, versions: int = 6) -> None:
     print(f"v0 {result.v0:.3f} -> newest {result.late():.3f} in {result.seconds:.0f}s, {result.turns} turns")
     print(runtime_learning.curve(result.by_version))
     assert not result.failures, f"requests failed while versions were swapped: {result.failures[:3]}"
     assert 0 in result.by_version and result.v0 < 0.1, "v0 (the zero adapter) served the first turns at chance"
     served = sorted(v for v in result.by_version if v > 0)
-    assert len(served) >= 6, f"the trainer published and the gateway served new versions: {served}"
+    assert len(served) >= versions, f"the trainer published and the gateway served new versions: {served}"
 
 
 # Measured (lr 1e-2, 4 parallel conversations, 48+ turns per step): judge seed 0 0.022 -> 0.77 at v10 (124 s),
@@ -49,7 +49,15 @@ def test_everyday_traffic_teaches_the_model(reward, seed, tiny_model_dir, tiny_t
 
 def test_learning_rate_zero_control_stays_flat(tiny_model_dir, tiny_tokenizer, tmp_path):
     result = runtime_learning.run(
-        tiny_model_dir, tiny_tokenizer, workdir=tmp_path, seed=0, lr=0.0, reward="judge", timeout=300, log=False
+        tiny_model_dir,
+        tiny_tokenizer,
+        workdir=tmp_path,
+        seed=0,
+        lr=0.0,
+        reward="judge",
+        min_versions=4,  # flat is flat: fewer versions say as much
+        timeout=300,
+        log=False,
     )
-    check(result)
+    check(result, versions=4)
     assert abs(result.late() - result.v0) < 0.05, f"no updates, no gain: {result.by_version}"
