@@ -27,6 +27,7 @@ from gateway.api import rollouts as rollouts_api
 from gateway.api import system as system_api
 from gateway.engines.base import Engine
 from gateway.errors import APIError, BadRequest
+from gateway.faults import Fault, describe
 from gateway.metrics import Metrics
 from gateway.policy import PolicyFollower
 from gateway.render import Renderer
@@ -67,14 +68,18 @@ def make_engine(settings: Settings, tokenizer: Any) -> Engine:
 async def close_idle_sessions(store: Any, writer: CallWriter, service: ChatService, idle_seconds: float) -> None:
     """Finish implicit and harness-session rollouts nobody has used for ``idle_seconds`` (they have no explicit end)."""
     interval = min(60.0, idle_seconds / 4)
+    fault = Fault(log, "session closer: cannot close idle sessions")
     while True:
         await asyncio.sleep(interval)
+        if writer.degraded:
+            continue  # the writer reports the outage; closing must wait until the calls before it are stored
         try:
             await writer.flush()
             closed = await asyncio.to_thread(rollouts.close_idle, store, idle_seconds)
-        except Exception:  # the database may be down; the writer reports that, try again later
-            log.warning("could not close idle sessions", exc_info=True)
+        except Exception as exc:  # the database may be down; try again later
+            fault.failed(describe(exc), exc)
             continue
+        fault.cleared()
         if closed:
             service.closed_rollouts.update(closed)
             log.info("closed %d idle session rollout(s)", len(closed))
@@ -176,8 +181,8 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
             app.state.clawgate.policy = follower
             try:  # serve the newest published version from the first call on
                 await follower.sync()
-            except Exception:
-                log.warning("could not load the newest policy version at start-up", exc_info=True)
+            except Exception as exc:  # the follower keeps trying (and says when it recovers)
+                follower.fault.failed(f"at start-up: {describe(exc)}", exc)
             tasks.append(asyncio.create_task(follower.run()))
         try:
             yield

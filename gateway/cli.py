@@ -71,8 +71,10 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # httpx logs every request at INFO: one line per engine call would drown everything else.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    # httpx logs every request at INFO: one line per engine call would drown everything else; alembic a dozen lines
+    # of plugin set-up each time the schema version is checked.
+    for name in ("httpx", "alembic"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -84,7 +86,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _serve(settings: Settings) -> int:
     import uvicorn
 
-    from gateway.app import build_app
+    from gateway.app import build_app, redact_url
+    from gateway.store import db
+
+    current, head = db.current_revision(settings.database_url), db.head_revision()
+    if current != head:
+        print(
+            f"error: the database schema is at {current or 'nothing'}, expected {head}: run `clawgate db upgrade` "
+            f"(database {redact_url(settings.database_url)})",
+            file=sys.stderr,
+        )
+        return 2
 
     app = build_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(), access_log=False)
@@ -665,12 +677,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def settings_errors(error: Any) -> list[str]:
+    """A Settings validation error as one line per problem, naming the variable to fix (no values: they may be
+    secrets)."""
+    lines = []
+    for item in error.errors():
+        message = str(item.get("msg", "invalid value")).removeprefix("Value error, ")
+        loc = [str(part) for part in item.get("loc", ())]
+        lines.append(f"CLAWGATE_{loc[0].upper()}: {message}" if loc else message)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
+    from pydantic import ValidationError
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
     except KeyboardInterrupt:
         return 130
+    except ValidationError as exc:
+        if exc.title != Settings.__name__:
+            raise
+        for line in settings_errors(exc):
+            print(f"error: {line}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -47,6 +47,14 @@ class Metrics:
         self.capture_queue = Gauge("clawgate_capture_queue_depth", "Calls waiting to be written", registry=r)
         self.capture_written = Gauge("clawgate_capture_written", "Rows written by the capture writer", registry=r)
         self.capture_retries = Gauge("clawgate_capture_retries", "Capture write retries", registry=r)
+        self.capture_degraded = Gauge(
+            "clawgate_capture_degraded", "1 while the capture database cannot be written (calls queue up)", registry=r
+        )
+        self.served_degraded = Counter(
+            "clawgate_calls_served_degraded",
+            "Durable calls answered before their capture was committed (the database was down or slow)",
+            registry=r,
+        )
         self.in_flight = Gauge("clawgate_in_flight_calls", "Calls being generated", registry=r)
         self.policy_version = Gauge(
             "clawgate_policy_version", "Policy version new calls are routed to (-1: the base model)", registry=r

@@ -29,12 +29,15 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from gateway.engines.base import Engine, GenerationEnd, GenerationRequest, SamplingParams
+from gateway.faults import Fault, describe
 from gateway.metrics import Metrics
 from gateway.service import ChatService
 from gateway.settings import Settings
 from gateway.store.models import PolicyVersion
 
 log = logging.getLogger("clawgate.policy")
+# While the database (or the engine) is unreachable the follower looks less and less often, up to this (seconds).
+MAX_POLL_BACKOFF = 30.0
 
 
 def newest_version(db: sa.Engine, after: int | None) -> PolicyVersion | None:
@@ -93,16 +96,22 @@ class PolicyFollower:
         self.failed: set[int] = set()
         self.last_swap_seconds: float | None = None  # load + verify + route of the latest swap
         self._lock = asyncio.Lock()
+        self.fault = Fault(log, "policy follower: cannot look for new versions")
 
     # -- the loop ------------------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        interval = self.settings.policy_poll_interval
         while True:
-            await asyncio.sleep(self.settings.policy_poll_interval)
+            await asyncio.sleep(interval)
             try:
                 await self.sync()
-            except Exception:  # the database or the engine may be down for a while; try again next time
-                log.warning("policy follower: could not check for a new version", exc_info=True)
+            except Exception as exc:  # the database or the engine may be down for a while: look less often
+                self.fault.failed(describe(exc), exc_info=exc)
+                interval = min(max(interval, 0.5) * 2, MAX_POLL_BACKOFF)
+                continue
+            self.fault.cleared()
+            interval = self.settings.policy_poll_interval
 
     async def sync(self) -> int | None:
         """One look for a newer version; returns the version served afterwards (None: the base model)."""

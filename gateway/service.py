@@ -357,12 +357,7 @@ class ChatService:
                 engine_s = time.perf_counter() - t_engine
                 self._record(prep, index, status, None, end, ids, logprobs, engine_s, t_first, tail_hash)
                 recorded = True
-                try:
-                    await asyncio.wait_for(asyncio.shield(self.writer.flush()), DURABLE_WAIT_S)
-                except TimeoutError:
-                    # The database is down or slow: serve anyway; the call stays queued (and is spooled to disk
-                    # on shutdown) rather than the client waiting for the outage to end.
-                    log.warning("call %s served before its capture was committed (database slow or down)", call_id)
+                await self._wait_durable()
             yield ChoiceResult(index, call_id, finish, output, ids, logprobs, tops, trimmer.stopped)
         except APIError as exc:
             error = exc
@@ -382,6 +377,16 @@ class ChatService:
             if not recorded:
                 engine_s = time.perf_counter() - t_engine
                 self._record(prep, index, status, error, end, ids, logprobs, engine_s, t_first, tail_hash)
+
+    async def _wait_durable(self) -> None:
+        """Wait (at most DURABLE_WAIT_S) for the capture to commit, unless the capture is degraded.
+
+        The circuit breaker: once a commit failed, or took longer than a call waits, nothing is gained by making
+        every call wait — the call stays queued (spooled to disk at shutdown) and is answered at once, until a
+        commit succeeds again.
+        """
+        if not await self.writer.wait_committed(DURABLE_WAIT_S):
+            self.metrics.served_degraded.inc()
 
     def _register(self, prep: Prepared, call_id: str, ids: list[int], output: ParsedOutput) -> str | None:
         """Make this answer findable by the request that echoes it; returns the conversation's tail hash."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway.faults import describe
 from rewards.turns import TurnView
 
 DEFAULT_RUBRIC = """\
@@ -255,7 +256,7 @@ class Judge:
                 num_retries=0,  # the worker retries, with its own backoff and bookkeeping
             )
         except Exception as error:
-            raise JudgeError(f"{type(error).__name__}: {_first_line(error)}", classify(error)) from error
+            raise JudgeError(describe(error), classify(error)) from error
         usage = self._usage(response, time.perf_counter() - t0)
         answer = _answer_text(response)
         try:
@@ -294,11 +295,6 @@ def _answer_text(response: Any) -> str | None:
     except (AttributeError, IndexError):
         return None
     return content if isinstance(content, str) else None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else ""
 
 
 __all__ = [

@@ -33,7 +33,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from gateway.faults import Fault
+from gateway.faults import Fault, describe
 from rewards import claims
 from rewards.functions import RewardFunction, RewardFunctionError
 from rewards.judge import Judge, JudgeError, UnparseableAnswer, Usage
@@ -110,6 +110,7 @@ class RewardWorker:
         self._resume_at = 0.0
         self._backoff = self.config.min_backoff
         self._outage = Fault(log, "judge unreachable")
+        self._store_fault = Fault(log, "judge: cannot read or claim turns in the database")
 
     @property
     def in_flight(self) -> int:
@@ -119,7 +120,17 @@ class RewardWorker:
         """Judge until ``stop`` is set, then let the turns in flight finish."""
         try:
             while not stop.is_set():
-                started = await self.poll()
+                try:
+                    started = await self.poll()
+                except Exception as error:  # the database is down: the turns are all there when it is back
+                    self._store_fault.failed(describe(error), exc_info=error)
+                    started = 0
+                    self._resume_at = time.monotonic() + self._backoff
+                    self._backoff = min(self._backoff * 2, self.config.max_backoff)
+                else:
+                    if self._store_fault.active:
+                        self._store_fault.cleared()
+                        self._backoff = self.config.min_backoff
                 wait = self._resume_at - time.monotonic() if self._paused else 0.0
                 if not started:
                     wait = max(wait, self.config.interval)
@@ -193,9 +204,9 @@ class RewardWorker:
     async def _process(self, call_id: str, rollout_id: str, token: str, attempts: int) -> None:
         try:
             await self._judge_turn(call_id, rollout_id, token, attempts)
-        except Exception:
-            # A bug or the database going away mid-turn: the claim's lease runs out and the turn is tried again.
-            log.exception("turn %s: judging failed; it will be retried when its claim expires", call_id)
+        except Exception as error:
+            # The database going away mid-turn (or a bug): the claim's lease runs out and the turn is tried again.
+            self._store_fault.failed(f"turn {call_id}: {describe(error)}; retried when its claim expires", error)
 
     def _load(self, call_id: str) -> TurnView:
         with Session(self.db) as session:

@@ -55,7 +55,8 @@ def test_gateway_follows_published_versions(gateway_factory, tiny_model_dir, tmp
     # Nothing published: the base model serves, and calls say so.
     first = chat(gw)
     assert served_versions(gw, first) == [(None, None)]
-    assert httpx.get(gw.url + "/health").json()["policy"] == {"adapter": None, "version": None}
+    policy = httpx.get(gw.url + "/health").json()["policy"]
+    assert (policy["adapter"], policy["version"], policy["state"], policy["last_error"]) == (None, None, "ok", None)
 
     publish(url, adapters, tiny_model_dir, 0)
     wait_for(lambda: gw.state.service.policy_version == 0, what="policy@v0 to be served")

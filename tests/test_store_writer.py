@@ -222,6 +222,37 @@ async def test_outage_is_retried_until_the_database_is_back(outage: Outage, tmp_
         engine.dispose()
 
 
+async def test_a_durable_wait_commits_at_once_and_stops_waiting_while_degraded(outage: Outage, tmp_path: Path) -> None:
+    """A call waiting for its commit does not wait for the batch interval; once a commit has failed, calls stop
+    waiting (the circuit breaker) until a commit succeeds again."""
+    engine = db.make_engine(outage.url, busy_timeout_ms=20)
+    writer = CallWriter(engine, tmp_path / "spool", flush_interval=30, initial_backoff=0.01, max_backoff=0.05)
+    await writer.start()
+    try:
+        writer.submit(make_call("c0", "r1"))
+        started = asyncio.get_running_loop().time()
+        assert await writer.wait_committed(10) is False  # the first commit fails: answered then, not after 10 s
+        assert asyncio.get_running_loop().time() - started < 5 and writer.degraded
+        assert writer.fault.snapshot()["state"] == "degraded" and writer.fault.snapshot()["last_error"]
+
+        writer.submit(make_call("c1", "r1", seq=1))
+        started = asyncio.get_running_loop().time()
+        assert await writer.wait_committed(10) is False  # degraded: no wait at all
+        assert asyncio.get_running_loop().time() - started < 0.1
+
+        outage.restore()
+        await asyncio.wait_for(writer.flush(), 20)
+        assert not writer.degraded and writer.fault.snapshot()["recovered_at"] is not None
+        writer.submit(make_call("c2", "r1", seq=2))
+        started = asyncio.get_running_loop().time()
+        assert await writer.wait_committed(10) is True  # committed at once although batches wait up to 30 s
+        assert asyncio.get_running_loop().time() - started < 5
+        assert count(engine, Call) == 3
+    finally:
+        await writer.close(timeout=5)
+        engine.dispose()
+
+
 async def test_full_queue_sheds_load(outage: Outage, tmp_path: Path) -> None:
     engine = db.make_engine(outage.url, busy_timeout_ms=20)
     writer = fast_writer(engine, tmp_path / "spool", max_queue=10, batch_size=4)

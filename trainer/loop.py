@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from gateway.faults import Fault, describe
 from gateway.store import turns
 from gateway.store.models import Rollout, TrainStep
 from trainer.step import StepResult, Trainer, readiness, ready_condition
@@ -100,8 +101,8 @@ def record_failure(
                     ended_at=dt.datetime.now(dt.UTC),
                 )
             )
-    except Exception:
-        log.warning("could not record the failed step", exc_info=True)
+    except Exception as exc:  # the database is the likely cause of the failure itself: said once by the loop
+        log.debug("could not record the failed step: %s", describe(exc))
 
 
 def run(
@@ -116,17 +117,20 @@ def run(
     steps = 0
     backoff = cfg.interval
     last_wait = ""
+    # The first failure is logged with its traceback (it may be a bug), then a reminder a minute, then the recovery.
+    fault = Fault(log, "train step failed", traceback_once=True)
     while not stop.is_set():
         started = dt.datetime.now(dt.UTC)
         try:
             go, why = should_step(trainer, cfg)
             result = trainer.step() if go else None
         except Exception as exc:
-            log.exception("train step failed; retrying in %.0fs", backoff)
+            fault.failed(f"{describe(exc)}; retrying in {backoff:.0f}s", exc_info=exc)
             record_failure(trainer.db, trainer.version, exc, started, trainer.config.algorithm)
             stop.wait(backoff)
             backoff = min(backoff * 2, cfg.max_backoff)
             continue
+        fault.cleared()
         backoff = cfg.interval
         if result is not None:
             steps += 1

@@ -20,18 +20,30 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(state: State) -> Response:
+    """What a monitor needs: each part's state now (``ok`` / ``degraded``), its last error and when it recovered.
+
+    503 only when the engine cannot serve; a degraded capture (the database is down: calls are served and queued)
+    or policy follower (no new versions are picked up) answers 200 with ``status: degraded``.
+    """
     engine_ok = await state.engine.health()
     stats = state.writer.stats
+    capture = {
+        **state.writer.fault.snapshot(),
+        "queued": stats.queued,
+        "written": stats.written,
+        "retries": stats.retries,
+        "dead_lettered": stats.dead_lettered,
+        "spooled": stats.spooled,
+    }
+    policy: dict[str, Any] = {"adapter": state.service.adapter, "version": state.service.policy_version}
+    if state.policy is not None:
+        policy.update(state.policy.fault.snapshot())
+    degraded = not engine_ok or capture["state"] != "ok" or policy.get("state", "ok") != "ok"
     body: dict[str, Any] = {
-        "status": "ok" if engine_ok else "degraded",
-        "engine": {"name": state.engine.name, "ok": engine_ok},
-        "policy": {"adapter": state.service.adapter, "version": state.service.policy_version},
-        "capture": {
-            "queued": stats.queued,
-            "written": stats.written,
-            "retries": stats.retries,
-            "last_error": stats.last_error,
-        },
+        "status": "degraded" if degraded else "ok",
+        "engine": {"name": state.engine.name, "ok": engine_ok, "state": "ok" if engine_ok else "down"},
+        "policy": policy,
+        "capture": capture,
     }
     return JSONResponse(body, status_code=200 if engine_ok else 503)
 
@@ -43,6 +55,7 @@ async def metrics(state: State) -> Response:
     m.capture_queue.set(stats.queued)
     m.capture_written.set(stats.written)
     m.capture_retries.set(stats.retries)
+    m.capture_degraded.set(1 if state.writer.degraded else 0)
     counts = await asyncio.to_thread(training_counts, state.db, state.settings.awaits_judge)
     m.rollouts_ready.set(counts.rollouts_ready)
     m.rollouts_trained.set(counts.rollouts_trained)

@@ -9,7 +9,8 @@ turn's next state), then rewards.
 What can go wrong, and what happens:
 
 - The database is unreachable, locked or not migrated yet (transient): the batch is retried forever with
-  exponential backoff (capped at ``max_backoff``), one log line per attempt. Meanwhile the queue fills; at
+  exponential backoff (capped at ``max_backoff``); the writer is ``degraded`` until a commit succeeds (one log
+  line when that starts, a reminder a minute, one when it ends). Meanwhile the queue fills; at
   ``max_queue`` uncommitted rows ``submit`` raises ``EngineUnavailable`` so the gateway sheds calls it could
   not record instead of serving them unrecorded.
 - A row is bad (constraint violation, bad data, unpackable tokens): the batch is retried row by row under
@@ -47,10 +48,11 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
 
 from gateway.errors import EngineUnavailable
+from gateway.faults import Fault
 from gateway.store import codec
 from gateway.store.models import Call, Reward, Rollout, utcnow
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("clawgate.capture")
 
 DEAD_LETTER_FILE = "dead-letter.jsonl"
 PENDING_GLOB = "pending-*.jsonl"
@@ -434,6 +436,9 @@ class CallWriter:
         self._submitted = 0  # records ever queued (submitted or replayed)
         self._done = 0  # records committed or dead-lettered, in queue order
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        # Durable calls waiting for their commit: answered True once committed, False as soon as the writer is
+        # degraded (see wait_committed).
+        self._durable_waiters: list[tuple[int, asyncio.Future[bool]]] = []
         self._replay_files: list[tuple[Path, int]] = []  # a spool file and the _done count that covers it
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -442,6 +447,14 @@ class CallWriter:
         # One dedicated thread: batches stay ordered, and capture never waits behind other to_thread work.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clawgate-capture")
         self.stats = WriterStats()
+        # The circuit breaker: active from a failed commit (or one slower than a durable call waits) until a commit
+        # succeeds. Meanwhile durable calls do not wait for their commit (they stay queued and are spooled on
+        # shutdown), and /health says the capture is degraded.
+        self.fault = Fault(log, "capture: cannot write to the database")
+
+    @property
+    def degraded(self) -> bool:
+        return self.fault.active
 
     @property
     def dead_letter_path(self) -> Path:
@@ -462,7 +475,7 @@ class CallWriter:
             self._wake.set()
 
     async def flush(self) -> None:
-        """Wait until every record submitted so far is committed or dead-lettered."""
+        """Wait until every record submitted so far is committed or dead-lettered (at shutdown: or spooled)."""
         target = self._submitted
         if self._done >= target:
             return
@@ -472,6 +485,37 @@ class CallWriter:
         self._waiters.append((target, future))
         self._wake.set()
         await future
+
+    async def wait_committed(self, timeout: float) -> bool:
+        """Wait until everything submitted so far is committed: True; False as soon as the capture is degraded
+        (a commit failed), or after ``timeout`` seconds (then the writer counts as degraded too)."""
+        target = self._submitted
+        if self._done >= target:
+            return True
+        if self.degraded:
+            return False
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._durable_waiters.append((target, future))
+        self._wake.set()
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            self.fault.failed(f"a commit took longer than {timeout:g}s: calls are served before they are committed")
+            self._answer_durable_waiters(False)
+            return False
+
+    def _answer_durable_waiters(self, degraded: bool) -> None:
+        still: list[tuple[int, asyncio.Future[bool]]] = []
+        for target, future in self._durable_waiters:
+            if future.done():
+                continue
+            if self._done >= target:
+                future.set_result(True)
+            elif degraded:
+                future.set_result(False)
+            else:
+                still.append((target, future))
+        self._durable_waiters = still
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -511,19 +555,32 @@ class CallWriter:
         self._closed = True
         leftovers = [*self._inflight, *self._queue]
         self._inflight, self._queue = [], deque()
+        durable = True
         if leftovers:
             # The in-flight batch may still commit on its thread after this; replay is idempotent for calls.
             path = await asyncio.to_thread(self._spool, leftovers)
             if path is not None:
                 self.stats.spooled += len(leftovers)
                 self._delete_replay_files(all_files=True)
+            else:
+                durable = False
         else:
             self._delete_replay_files(all_files=True)
         self.stats.queued = 0
         for _, future in self._waiters:
-            if not future.done():
+            if future.done():
+                continue
+            if durable:
+                # Spooled to disk (fsync'd) and replayed at the next start: as safe as committed, so a durable call
+                # still waiting is answered, not failed.
+                future.set_result(None)
+            else:
                 future.set_exception(RuntimeError("capture writer closed before these rows were committed"))
         self._waiters.clear()
+        for _, waiting in self._durable_waiters:
+            if not waiting.done():
+                waiting.set_result(durable)
+        self._durable_waiters.clear()
         self._executor.shutdown(wait=False)
 
     def _on_task_done(self, task: asyncio.Task[None]) -> None:
@@ -544,7 +601,8 @@ class CallWriter:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if len(self._queue) < self._batch_size and not self._closing and not self._waiters:
+            someone_waits = bool(self._waiters or self._durable_waiters)
+            if len(self._queue) < self._batch_size and not self._closing and not someone_waits:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self._flush_interval)
@@ -566,7 +624,7 @@ class CallWriter:
         delay = self._initial_backoff
         while True:
             try:
-                return await loop.run_in_executor(self._executor, self._commit, prepared, len(batch))
+                outcome = await loop.run_in_executor(self._executor, self._commit, prepared, len(batch))
             except Exception as error:
                 if not is_transient(error):
                     # _commit settles row errors itself, so this is unexpected; keep the rows and keep going.
@@ -576,17 +634,16 @@ class CallWriter:
                     return _Outcome(written=0, dead=dead)
                 self.stats.retries += 1
                 self.stats.last_error = _describe(error)
-                log.warning(
-                    "capture write of %d rows failed (%s); retrying in %.2fs, %d rows waiting",
-                    len(batch),
-                    self.stats.last_error,
-                    delay,
-                    self.stats.queued,
-                )
+                self.fault.failed(f"{self.stats.last_error}; {self.stats.queued} rows waiting", exc_info=error)
+                self._answer_durable_waiters(True)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._max_backoff)
+                continue
+            self.fault.cleared()
+            return outcome
 
     def _release_waiters(self) -> None:
+        self._answer_durable_waiters(False)
         still: list[tuple[int, asyncio.Future[None]]] = []
         for target, future in self._waiters:
             if future.done():
