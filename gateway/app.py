@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import __version__, rollouts
@@ -26,7 +27,7 @@ from gateway.api import responses as responses_api
 from gateway.api import rollouts as rollouts_api
 from gateway.api import system as system_api
 from gateway.engines.base import Engine
-from gateway.errors import APIError, BadRequest
+from gateway.errors import APIError, BadRequest, EngineUnavailable
 from gateway.faults import Fault, describe
 from gateway.metrics import Metrics
 from gateway.policy import PolicyFollower
@@ -37,7 +38,7 @@ from gateway.sessions import SessionIndex
 from gateway.settings import Settings
 from gateway.state import AppState
 from gateway.store import db
-from gateway.store.writer import CallWriter
+from gateway.store.writer import CallWriter, is_transient
 
 log = logging.getLogger("clawgate")
 
@@ -147,6 +148,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
             writer=writer,
             metrics=metrics,
             max_tokens_cap=settings.max_tokens,
+            max_in_flight=settings.max_concurrent_calls,
             parser=settings.parser,
             db=store,
             durable_capture=settings.capture_durable,
@@ -212,7 +214,7 @@ def install_error_handlers(app: FastAPI) -> None:
             app.state.clawgate.metrics.errors.labels(exc.type).inc()
         # Each protocol answers errors in its own shape: the Anthropic SDK cannot read OpenAI's, and vice versa.
         body = exc.to_anthropic() if is_anthropic_path(request.url.path) else exc.to_dict()
-        return JSONResponse(body, status_code=exc.status_code)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -243,6 +245,19 @@ def install_error_handlers(app: FastAPI) -> None:
             return respond(request, err)
         message = f"{request.method} {request.url.path} not found" if exc.status_code == 404 else str(exc.detail)
         return respond(request, cls(message))
+
+    @app.exception_handler(sa_exc.DBAPIError)
+    async def database_error(request: Request, exc: sa_exc.DBAPIError) -> JSONResponse:
+        if is_transient(exc):  # the database is down, locked or restarting: worth retrying, not a server bug
+            log.warning("%s %s: database unavailable: %s", request.method, request.url.path, describe(exc))
+            return respond(
+                request,
+                EngineUnavailable(
+                    "the database is unavailable: try again shortly", code="store_unavailable", retry_after=5
+                ),
+            )
+        log.exception("database error on %s %s", request.method, request.url.path)
+        return respond(request, APIError("internal server error"))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

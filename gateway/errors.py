@@ -27,11 +27,19 @@ class APIError(Exception):
     status_code = 500
     type = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str | None = None, retry_after: int | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        # Seconds a client should wait before trying again (sent as Retry-After), for refusals that will pass.
+        self.retry_after = retry_after
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

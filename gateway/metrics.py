@@ -56,6 +56,12 @@ class Metrics:
             registry=r,
         )
         self.in_flight = Gauge("clawgate_in_flight_calls", "Calls being generated", registry=r)
+        self.refused = Counter(
+            "clawgate_calls_refused",
+            "Calls refused before generating (503 with Retry-After): capture queue full, or concurrency limit",
+            ["reason"],
+            registry=r,
+        )
         self.policy_version = Gauge(
             "clawgate_policy_version", "Policy version new calls are routed to (-1: the base model)", registry=r
         )

@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 from gateway.conversation import Message, ToolCall, ToolSpec, exact_hash, extend_hash, output_hash
 from gateway.detokenize import IncrementalDetokenizer
 from gateway.engines.base import Engine, GenerationEnd, GenerationRequest, SamplingParams, TokenDelta
-from gateway.errors import APIError, ContextTooLong, EngineError
+from gateway.errors import APIError, ContextTooLong, EngineError, EngineUnavailable
 from gateway.metrics import Metrics
 from gateway.next_state import RULE_SOURCE, next_state, tool_errors
 from gateway.parsers import get_parser
@@ -162,6 +162,7 @@ class ChatService:
         db: sa.Engine | None = None,
         durable_capture: bool = False,
         tool_error_reward: float = 0.0,
+        max_in_flight: int = 0,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -182,6 +183,9 @@ class ChatService:
         # Implicit rollouts the gateway closed: a conversation that resumes after that starts a new rollout
         # (still spliced from the raw tokens), so nothing is added to a rollout that may already be trained.
         self.closed_rollouts: set[str] = set()
+        # Calls generating now, and the most allowed at once (0: no limit); more are refused with a 503.
+        self.in_flight = 0
+        self.max_in_flight = max_in_flight
 
     # -- prepare --------------------------------------------------------------------------------------------
     async def prepare(self, job: ChatJob) -> Prepared:
@@ -305,6 +309,11 @@ class ChatService:
         end: GenerationEnd | None = None
         t_engine = time.perf_counter()
         t_first: float | None = None
+        # Admission control, before the engine generates anything: room in the capture queue for what this call
+        # will record (the call, and for the first choice its parent's rule reward), and a free call slot.
+        slots = 2 if index == 0 and self._rule_possible(prep) else 1
+        self._admit(slots)
+        self.in_flight += 1
         self.metrics.in_flight.inc()
         if prep.adapter is not None:
             self.adapter_in_flight[prep.adapter] += 1
@@ -355,7 +364,7 @@ class ChatService:
                 # Commit the call before the client sees its end (the last chunk, or the whole response): a served
                 # call then survives even a SIGKILL right after. Concurrent calls share the commit.
                 engine_s = time.perf_counter() - t_engine
-                self._record(prep, index, status, None, end, ids, logprobs, engine_s, t_first, tail_hash)
+                self._record(prep, index, slots, status, None, end, ids, logprobs, engine_s, t_first, tail_hash)
                 recorded = True
                 await self._wait_durable()
             yield ChoiceResult(index, call_id, finish, output, ids, logprobs, tops, trimmer.stopped)
@@ -370,13 +379,33 @@ class ChatService:
             error = EngineError(f"engine failure: {exc}")
             raise error from exc
         finally:
+            self.in_flight -= 1
             self.metrics.in_flight.dec()
             if prep.adapter is not None:
                 self.adapter_in_flight[prep.adapter] -= 1
             await stream.aclose()
             if not recorded:
                 engine_s = time.perf_counter() - t_engine
-                self._record(prep, index, status, error, end, ids, logprobs, engine_s, t_first, tail_hash)
+                self._record(prep, index, slots, status, error, end, ids, logprobs, engine_s, t_first, tail_hash)
+
+    def _admit(self, slots: int) -> None:
+        """Refuse a call (503 with Retry-After) that the gateway could not serve or record; else hold its room."""
+        if self.max_in_flight and self.in_flight >= self.max_in_flight:
+            self.metrics.refused.labels("concurrency").inc()
+            raise EngineUnavailable(
+                f"the gateway is serving its limit of {self.max_in_flight} concurrent calls "
+                "(CLAWGATE_MAX_CONCURRENT_CALLS): try again shortly",
+                code="overloaded",
+                retry_after=1,
+            )
+        try:
+            self.writer.reserve(slots)
+        except EngineUnavailable:
+            self.metrics.refused.labels("capture_queue").inc()
+            raise
+
+    def _rule_possible(self, prep: Prepared) -> bool:
+        return bool(self.tool_error_reward) and prep.plan.parent is not None
 
     async def _wait_durable(self) -> None:
         """Wait (at most DURABLE_WAIT_S) for the capture to commit, unless the capture is degraded.
@@ -431,6 +460,7 @@ class ChatService:
         self,
         prep: Prepared,
         index: int,
+        slots: int,
         status: str,
         error: APIError | None,
         end: GenerationEnd | None,
@@ -480,14 +510,11 @@ class ChatService:
             ),
         )
         # The parent turn's rule reward goes first: whoever sees this call (the parent's next state) sees it too.
-        rule = self._rule_reward(prep) if index == 0 else None
-        try:
-            if rule is not None:
-                self.writer.submit(rule)
-            self.writer.submit(record)
-        except APIError:
-            log.error("capture queue full: call %s could not be queued", call_id)
-            raise
+        rule = self._rule_reward(prep) if index == 0 and slots > 1 else None
+        if rule is not None:
+            self.writer.submit(rule, reserved=True)
+        self.writer.submit(record, reserved=True)  # room reserved by _admit: never refused
+        self.writer.release(slots - 1 - (rule is not None))
         m = self.metrics
         m.calls.labels(job.api, status).inc()
         m.prompt_tokens.inc(len(prep.prompt_ids))

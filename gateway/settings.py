@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     parser: str = "hermes"
     # Server-side generation cap: a request asking for more gets at most this many tokens.
     max_tokens: int = Field(default=4096, ge=1)
+    # Calls generating at once, over all APIs; more are refused with a 503 and Retry-After before reaching the
+    # engine (0: no limit).
+    max_concurrent_calls: int = Field(default=1024, ge=0)
 
     # Policy versions (policy@vN): where the trainer writes them, and how the gateway follows them.
     adapter_dir: Path = Path("adapters")

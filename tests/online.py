@@ -92,8 +92,19 @@ def wait_healthy(url: str, up: UpProcess, timeout: float, version: int | None = 
 
 
 class TargetTokenTask:
-    def __init__(self, url: str, admin_key: str, vocab_size: int, special: set[int], *, seed: int = 0,
-                 prompts: int = 8, group: int = 8, max_tokens: int = 24, target_size: int = 50) -> None:
+    def __init__(
+        self,
+        url: str,
+        admin_key: str,
+        vocab_size: int,
+        special: set[int],
+        *,
+        seed: int = 0,
+        prompts: int = 8,
+        group: int = 8,
+        max_tokens: int = 24,
+        target_size: int = 50,
+    ) -> None:
         rng = random.Random(seed)
         vocab = [i for i in range(vocab_size) if i not in special]
         self.targets = set(rng.sample(vocab, target_size))
@@ -130,11 +141,14 @@ class TargetTokenTask:
         """Rounds of prompts × group rollouts until ``until(samples)`` is true or ``timeout`` seconds passed."""
         deadline = time.monotonic() + timeout
         round_ = 0
-        with httpx.Client(base_url=self.url, timeout=120) as client, \
-                concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        with (
+            httpx.Client(base_url=self.url, timeout=120) as client,
+            concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool,
+        ):
             while time.monotonic() < deadline and not until(self.samples):
-                jobs = [pool.submit(self.one, client, round_, p, g)
-                        for p in range(self.prompts) for g in range(self.group)]
+                jobs = [
+                    pool.submit(self.one, client, round_, p, g) for p in range(self.prompts) for g in range(self.group)
+                ]
                 for job in jobs:
                     try:
                         sample = job.result()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -108,3 +111,55 @@ def test_failed_calls_are_not_spliced(gateway_factory, tiny_tokenizer):
     got = rows(gw, "ro-nosplice")
     assert [r["status"] for r in got] == ["failed", "ok"]
     assert got[1]["parent_call_id"] is None and got[1]["render_mode"] == "fresh"
+
+
+class GatedEngine(ScriptedEngine):
+    """Holds every generation until ``release`` is set (the gateway runs it on its own thread's loop)."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.release = threading.Event()
+        self.entered = 0
+
+    async def generate(self, request):
+        self.entered += 1
+        while not self.release.is_set():
+            await asyncio.sleep(0.01)
+        async for event in super().generate(request):
+            yield event
+
+
+def test_calls_over_the_concurrency_limit_are_refused_before_the_engine(gateway_factory, tiny_tokenizer):
+    engine = GatedEngine(tiny_tokenizer)
+    gw = gateway_factory(engine=engine, tokenizer=tiny_tokenizer, max_concurrent_calls=2)
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 8}
+    with ThreadPoolExecutor(2) as pool:
+        held = [pool.submit(httpx.post, gw.v1 + "/chat/completions", json=body, timeout=30) for _ in range(2)]
+        deadline = time.monotonic() + 10
+        while engine.entered < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if engine.entered < 2:
+            engine.release.set()
+            pytest.fail("the first two calls never reached the engine")
+        # A third call, in each API's shape, streamed or not: refused at once with Retry-After, never generated.
+        refused = [
+            httpx.post(gw.v1 + "/chat/completions", json={**body, "stream": True}, timeout=30),
+            httpx.post(gw.v1 + "/messages", json=body, timeout=30),
+            httpx.post(gw.v1 + "/responses", json={"model": "tiny", "input": "hello"}, timeout=30),
+        ]
+        assert engine.entered == 2
+        engine.release.set()
+        assert [f.result().status_code for f in held] == [200, 200]
+    for r in refused:
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert "CLAWGATE_MAX_CONCURRENT_CALLS" in r.text
+    assert refused[0].json()["error"]["code"] == "overloaded"
+    assert refused[1].json()["type"] == "error" and refused[1].json()["error"]["type"] == "overloaded_error"
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert 'clawgate_calls_refused_total{reason="concurrency"} 3.0' in metrics
+    assert httpx.post(gw.v1 + "/chat/completions", json=body, timeout=30).status_code == 200  # room again
+    gw.flush()
+    store = make_engine(gw.settings.database_url)
+    with store.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM calls")).scalar() == 3, "refused calls are not recorded"
+    store.dispose()

@@ -150,3 +150,71 @@ def test_a_shutdown_during_an_outage_spools_quietly_and_the_next_start_replays_o
         store.dispose()
     assert sorted(ids) == sorted(served), "replayed at the next start, each call once"
     proxy.stop()
+
+
+def test_a_full_capture_queue_refuses_calls_before_generating_and_writes_answer_503_not_hang(
+    gateway_factory, tiny_tokenizer, postgres_url
+):
+    """Admission control: with the database down and the capture queue full, a call is refused (503, Retry-After,
+    each API's error shape) before the engine generates anything, so nothing is served unrecorded; rewards,
+    finishes, feedback and reads answer 503 within a bounded time instead of hanging."""
+    target = make_url(postgres_url)
+    proxy = TcpProxy(target.host or "127.0.0.1", target.port or 5432).start()
+    engine = ScriptedEngine(tiny_tokenizer)
+    gw = gateway_factory(
+        engine=engine, tokenizer=tiny_tokenizer, database_url=through(proxy, postgres_url), capture_max_queue=3
+    )
+    rollout = httpx.post(gw.v1 + "/rollouts", json={"task_id": "t"}, timeout=30).json()["id"]
+    served = [call(gw, engine, 0)[1]]
+    try:
+        proxy.cut()
+        served += [call(gw, engine, i)[1] for i in range(1, 4)]  # three calls fill the queue (max 3 records)
+        generated = len(engine.requests)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "one more"}], "max_tokens": 8}
+        refused = [
+            httpx.post(gw.v1 + "/chat/completions", json=body, timeout=30),
+            httpx.post(gw.v1 + "/chat/completions", json={**body, "stream": True}, timeout=30),
+            httpx.post(gw.v1 + "/messages", json={**body, "stream": True}, timeout=30),
+            httpx.post(gw.v1 + "/responses", json={"model": "tiny", "input": "one more"}, timeout=30),
+        ]
+        assert len(engine.requests) == generated, "a refused call never reaches the engine"
+        for r in refused:
+            assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
+            assert "capture queue full" in r.text and "data:" not in r.text
+        assert refused[0].json()["error"]["code"] == "capture_queue_full"
+        assert refused[2].json()["error"]["type"] == "overloaded_error"
+
+        writes = {
+            "reward": lambda: httpx.post(f"{gw.v1}/rollouts/{rollout}/reward", json={"value": 1}, timeout=30),
+            "finish": lambda: httpx.post(f"{gw.v1}/rollouts/{rollout}/finish", json={}, timeout=30),
+            "feedback": lambda: httpx.post(gw.v1 + "/feedback", json={"call_id": served[0], "value": 1}, timeout=30),
+            "read": lambda: httpx.get(f"{gw.v1}/rollouts/{rollout}", timeout=30),
+            "list": lambda: httpx.get(gw.v1 + "/rollouts", timeout=30),
+        }
+        for name, send in writes.items():
+            t0 = time.perf_counter()
+            r = send()
+            took = time.perf_counter() - t0
+            assert r.status_code == 503 and r.headers["retry-after"] == "5", (name, r.status_code, r.text)
+            assert r.json()["error"]["code"] == "store_unavailable" and took < 12, (name, took)
+        metrics = httpx.get(gw.url + "/metrics").text
+        assert 'clawgate_calls_refused_total{reason="capture_queue"} 4.0' in metrics
+    finally:
+        proxy.restore()
+    deadline = time.monotonic() + 60
+    while httpx.get(gw.url + "/health").json()["capture"]["state"] != "ok" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    gw.flush()
+    served.append(call(gw, engine, 99)[1])  # room again
+    assert httpx.post(f"{gw.v1}/rollouts/{rollout}/reward", json={"value": 1}, timeout=30).status_code == 201
+    gw.flush()
+    store = make_engine(postgres_url)
+    try:
+        with store.connect() as conn:
+            ids = [row[0] for row in conn.execute(sa.text("SELECT id FROM calls"))]
+            rewards = conn.execute(sa.text("SELECT count(*) FROM rewards WHERE rollout_id = :r"), {"r": rollout})
+            assert rewards.scalar() == 1
+    finally:
+        store.dispose()
+    assert sorted(ids) == sorted(served), "every served call stored once; no refused call stored"
+    proxy.stop()

@@ -13,12 +13,16 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from gateway import rollouts
-from gateway.errors import BadRequest, Forbidden, Unauthorized
+from gateway.errors import BadRequest, EngineUnavailable, Forbidden, Unauthorized
 from gateway.service import RolloutRef
 from gateway.state import AppState
 
 ROLLOUT_HEADER = "x-rollout-id"
 ROLLOUT_ID_MAX = 100
+# The longest a reward, finish, feedback or read waits for the calls queued before it to be committed; past it
+# (the database is down or slow) the request is refused with a 503 and Retry-After rather than left hanging.
+STORE_WAIT_S = 10.0
+STORE_RETRY_AFTER_S = 5
 
 
 async def get_state(request: Request) -> AppState:
@@ -39,6 +43,22 @@ def presented_key(request: Request) -> str | None:
 def _matches_any(key: str, keys: list[str]) -> bool:
     # Compare against every key so the time taken does not reveal which one matched.
     return any([hmac.compare_digest(key.encode(), k.encode()) for k in keys])
+
+
+async def store_caught_up(state: AppState) -> None:
+    """Wait until every call queued so far is in the store; 503 at once while the capture cannot write (the
+    writer's circuit breaker is open), or after STORE_WAIT_S."""
+    unavailable = EngineUnavailable(
+        "the database is unavailable (calls are still served and queued): try again shortly",
+        code="store_unavailable",
+        retry_after=STORE_RETRY_AFTER_S,
+    )
+    if state.writer.degraded:
+        raise unavailable
+    try:
+        await asyncio.wait_for(asyncio.shield(state.writer.flush()), STORE_WAIT_S)
+    except TimeoutError:
+        raise unavailable from None
 
 
 async def rollout_key_hash(state: AppState, rollout_id: str) -> str | None:

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 
 from gateway import rollouts
-from gateway.api.deps import AdminAuth, State, authorize_rollout
+from gateway.api.deps import AdminAuth, State, authorize_rollout, store_caught_up
 from gateway.errors import NotFound
 from gateway.protocol.rollouts import CreateRollout, FinishRollout, PostFeedback, PostReward
 from trainer.data import load_rollout
@@ -40,7 +40,7 @@ async def create_rollout(body: CreateRollout, request: Request, state: State) ->
 @router.post("/v1/rollouts/{rollout_id}/reward", status_code=201)
 async def post_reward(rollout_id: str, body: PostReward, request: Request, state: State) -> dict[str, Any]:
     await authorize_rollout(request, state, rollout_id)
-    await state.writer.flush()  # the rollout row may still be in the capture queue
+    await store_caught_up(state)  # the rollout row may still be in the capture queue
     reward = await asyncio.to_thread(
         rollouts.add_reward, state.db, rollout_id, body.value, source=body.source, details=body.details
     )
@@ -53,7 +53,7 @@ async def finish_rollout(rollout_id: str, request: Request, state: State) -> dic
     raw = await request.body()
     body = FinishRollout.model_validate_json(raw) if raw.strip() else FinishRollout()
     # Every call served so far must be in the store before the rollout is marked ready for training.
-    await state.writer.flush()
+    await store_caught_up(state)
     rollout = await asyncio.to_thread(rollouts.finish, state.db, rollout_id, body.status, body.reason)
     return rollouts.summary(rollout)
 
@@ -80,7 +80,7 @@ async def list_rollouts(
 @router.get("/v1/rollouts/{rollout_id}")
 async def get_rollout(rollout_id: str, request: Request, state: State, tokens: bool = True) -> dict[str, Any]:
     await authorize_rollout(request, state, rollout_id)
-    await state.writer.flush()
+    await store_caught_up(state)
     return await asyncio.to_thread(rollouts.detail, state.db, rollout_id, with_tokens=tokens)
 
 
@@ -88,7 +88,7 @@ async def get_rollout(rollout_id: str, request: Request, state: State, tokens: b
 async def get_tree(rollout_id: str, request: Request, state: State, tokens: bool = False) -> dict[str, Any]:
     """The rollout's reconstructed prefix tree: edges with token counts, filtered branches and why, figures."""
     await authorize_rollout(request, state, rollout_id)
-    await state.writer.flush()
+    await store_caught_up(state)
     data = await asyncio.to_thread(load_rollout, state.db, rollout_id)
     if data is None:
         raise NotFound(f"rollout {rollout_id!r} not found", param="rollout_id")
@@ -97,7 +97,7 @@ async def get_tree(rollout_id: str, request: Request, state: State, tokens: bool
 
 @router.post("/v1/feedback", dependencies=[AdminAuth], status_code=201)
 async def post_feedback(body: PostFeedback, state: State) -> dict[str, Any]:
-    await state.writer.flush()
+    await store_caught_up(state)
     if body.call_id is not None:
         targets = [(body.call_id, await asyncio.to_thread(rollouts.call_rollout, state.db, body.call_id))]
     else:

@@ -9,11 +9,13 @@ from typing import Any
 import sqlalchemy as sa
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from gateway.api.deps import State
 from gateway.store import turns
 from gateway.store.models import Judgement, PolicyVersion, Reward, Rollout, TrainedRollout, TrainedTurn
+from gateway.store.writer import is_transient
 
 router = APIRouter()
 
@@ -56,7 +58,14 @@ async def metrics(state: State) -> Response:
     m.capture_written.set(stats.written)
     m.capture_retries.set(stats.retries)
     m.capture_degraded.set(1 if state.writer.degraded else 0)
-    counts = await asyncio.to_thread(training_counts, state.db, state.settings.awaits_judge)
+    try:
+        counts = await asyncio.to_thread(training_counts, state.db, state.settings.awaits_judge)
+    except sa_exc.DBAPIError as error:
+        if not is_transient(error):
+            raise
+        # The database is down: the gateway's own figures still answer (a monitor needs them most now); the
+        # training backlog gauges keep their last values.
+        return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
     m.rollouts_ready.set(counts.rollouts_ready)
     m.rollouts_trained.set(counts.rollouts_trained)
     m.turns_ready.set(counts.turns.ready)

@@ -55,6 +55,8 @@ from gateway.store.models import Call, Reward, Rollout, utcnow
 log = logging.getLogger("clawgate.capture")
 
 DEAD_LETTER_FILE = "dead-letter.jsonl"
+# What a refusal for a full capture queue tells clients to wait (Retry-After, seconds).
+CAPTURE_RETRY_AFTER_S = 2
 PENDING_GLOB = "pending-*.jsonl"
 
 
@@ -435,6 +437,7 @@ class CallWriter:
         self._inflight: list[Record] = []
         self._submitted = 0  # records ever queued (submitted or replayed)
         self._done = 0  # records committed or dead-lettered, in queue order
+        self._reserved = 0  # room held for calls being served (see reserve)
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         # Durable calls waiting for their commit: answered True once committed, False as soon as the writer is
         # degraded (see wait_committed).
@@ -462,12 +465,41 @@ class CallWriter:
 
     # -- serving side ---------------------------------------------------------------------------------------
 
-    def submit(self, record: Record) -> None:
-        """Queue a record for writing. Never blocks; raises EngineUnavailable when the queue is full."""
+    def reserve(self, slots: int) -> None:
+        """Admission control: hold room for ``slots`` records that a call will submit once it has been served.
+
+        Called before the engine generates anything, so a call the gateway could not record is refused up front
+        (503) rather than served and then lost. Each reserved slot is used by ``submit(..., reserved=True)`` or
+        given back with ``release``.
+        """
         if self._closing:
-            raise EngineUnavailable("capture writer is shut down", code="capture_closed")
-        if self.stats.queued >= self._max_queue:
-            raise EngineUnavailable("capture queue full", code="capture_queue_full")
+            raise EngineUnavailable("capture writer is shut down", code="capture_closed", retry_after=5)
+        if self.stats.queued + self._reserved + slots > self._max_queue:
+            raise EngineUnavailable(
+                f"capture queue full ({self._max_queue} records waiting for the database): try again shortly",
+                code="capture_queue_full",
+                retry_after=CAPTURE_RETRY_AFTER_S,
+            )
+        self._reserved += slots
+
+    def release(self, slots: int) -> None:
+        """Give back reserved slots that were not used."""
+        self._reserved = max(self._reserved - slots, 0)
+
+    def submit(self, record: Record, *, reserved: bool = False) -> None:
+        """Queue a record for writing. Never blocks. Raises EngineUnavailable when the queue is full, unless the
+        record uses a slot held by ``reserve`` (then it is always queued, even at shutdown: it was served)."""
+        if reserved:
+            self._reserved = max(self._reserved - 1, 0)
+            if self._closed:
+                # Served after the writer closed (it waits for no one): spooled on its own, replayed at next start.
+                self._spool([record])
+                self.stats.spooled += 1
+                return
+        elif self._closing:
+            raise EngineUnavailable("capture writer is shut down", code="capture_closed", retry_after=5)
+        elif self.stats.queued + self._reserved >= self._max_queue:
+            raise EngineUnavailable("capture queue full", code="capture_queue_full", retry_after=CAPTURE_RETRY_AFTER_S)
         self._queue.append(record)
         self._submitted += 1
         self.stats.queued += 1
