@@ -103,6 +103,10 @@ def _serve(settings: Settings) -> int:
     return 0
 
 
+# `clawgate up` on the built-in tiny model, unless --max-tokens says otherwise.
+TINY_MODEL_MAX_TOKENS = 4096
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """Embedded mode: migrate, build the tiny model if needed, start the trainer (a supervised child process,
     so training never holds the serving process's GIL) and a managed vLLM server when asked, then serve."""
@@ -112,9 +116,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _setup_logging(settings.log_level)
     model_dir = Path(settings.model)
-    if not model_dir.exists() and model_dir.resolve() == (DEFAULT_DATA_DIR / "tiny-model").resolve():
+    tiny = model_dir.resolve() == (DEFAULT_DATA_DIR / "tiny-model").resolve()
+    if tiny and not model_dir.exists():
         _build_tiny(model_dir)
-    elif settings.engine == "local" and not model_dir.exists() and settings.model.startswith((".", "/", "~")):
+    if tiny and settings.max_tokens is None:
+        # The built-in model writes random text and never ends its turn: without a cap every answer would run to
+        # the context window (40,960 tokens). A real model needs no cap.
+        settings = settings.model_copy(update={"max_tokens": TINY_MODEL_MAX_TOKENS})
+        print(f"the built-in tiny model's answers are capped at {TINY_MODEL_MAX_TOKENS} tokens", file=sys.stderr)
+    local_path = settings.model.startswith((".", "/", "~"))
+    if not tiny and settings.engine == "local" and not model_dir.exists() and local_path:
         print(f"error: model folder {model_dir} does not exist", file=sys.stderr)
         return 2
     print(f"migrating {settings.database_url} ...", file=sys.stderr)

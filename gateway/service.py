@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 from gateway.conversation import Message, ToolCall, ToolSpec, exact_hash, extend_hash, output_hash
 from gateway.detokenize import IncrementalDetokenizer
 from gateway.engines.base import Engine, GenerationEnd, GenerationRequest, SamplingParams, TokenDelta
-from gateway.errors import APIError, ContextTooLong, EngineError, EngineUnavailable
+from gateway.errors import APIError, BadRequest, ContextTooLong, EngineError, EngineUnavailable
 from gateway.metrics import Metrics
 from gateway.next_state import RULE_SOURCE, next_state, tool_errors
 from gateway.parsers import get_parser
@@ -45,6 +45,14 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("clawgate.service")
+
+
+def single_token_id(tokenizer: PreTrainedTokenizerBase, text: str | None) -> int | None:
+    """The id of ``text`` when the tokenizer encodes it as exactly one token, else None."""
+    if not text:
+        return None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return int(ids[0]) if len(ids) == 1 else None
 
 
 def new_id(prefix: str) -> str:
@@ -75,6 +83,11 @@ class ChatJob:
     raw_request: dict[str, Any]
     messages_field: str = "messages"  # the field of raw_request that holds the conversation
     parse_tool_calls: bool = True
+    # tool_choice that forces a call: of any offered function (force_tool, no name) or of the one named.
+    force_tool: bool = False
+    force_tool_name: str | None = None
+    # At most one tool call per answer (parallel_tool_calls false, Anthropic disable_parallel_tool_use).
+    single_tool_call: bool = False
     stream: bool = True  # whether the client watches tokens arrive
     # False: the completion is returned as plain text (the completions API), no reasoning/tool parsing.
     parse_output: bool = True
@@ -99,6 +112,8 @@ class Prepared:
     request_prefix_messages: int
     adapter: str | None = None
     policy_version: int | None = None
+    # Text appended to the rendered prompt to force a tool call; the output parser reads it first.
+    forced_text: str = ""
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -155,7 +170,7 @@ class ChatService:
         index: SessionIndex,
         writer: CallWriter,
         metrics: Metrics,
-        max_tokens_cap: int,
+        max_tokens_cap: int | None,
         parser: str = "hermes",
         adapter: str | None = None,
         policy_version: int | None = None,
@@ -172,6 +187,8 @@ class ChatService:
         self.metrics = metrics
         self.max_tokens_cap = max_tokens_cap
         self.parser_cls = get_parser(parser)
+        # The token that closes a tool call, when the tokenizer has it as one token: the stop for one call per turn.
+        self.tool_close_id = single_token_id(tokenizer, self.parser_cls.tool_call_close)
         self.adapter = adapter
         self.policy_version = policy_version
         # Calls running per adapter: a version is unloaded only once none of this gateway's calls use it.
@@ -199,6 +216,13 @@ class ChatService:
         if plan.mode == "drifted":
             self.metrics.drift.inc()
             log.warning("prompt drift: could not splice an earlier answer (rollout=%s)", scope)
+        forced_text, params = self._tool_constraints(job)
+        if forced_text:
+            # The opening of a tool call goes at the end of the prompt: the model continues inside the call. These
+            # tokens were not sampled, so they belong to the prompt (never trained on); a later turn that echoes
+            # the call splices onto prompt + completion, which hold the whole call.
+            forced_ids = self.renderer.encode(forced_text)
+            plan = replace(plan, prompt_ids=[*plan.prompt_ids, *forced_ids])
         prompt_len = len(plan.prompt_ids)
         room = self.engine.max_model_len - prompt_len
         if room < 1:
@@ -206,8 +230,8 @@ class ChatService:
                 f"This model's maximum context length is {self.engine.max_model_len} tokens, but the prompt "
                 f"has {prompt_len} tokens."
             )
-        max_tokens = min(job.params.max_tokens, self.max_tokens_cap, room)
-        params = replace(job.params, max_tokens=max_tokens)
+        max_tokens = min(job.params.max_tokens, self.max_tokens_cap or room, room)
+        params = replace(params, max_tokens=max_tokens)
         if job.rollout.id is not None:
             rollout_id = job.rollout.id
         elif plan.parent is not None and plan.parent.rollout_id not in self.closed_rollouts:
@@ -235,7 +259,36 @@ class ChatService:
             request_prefix_messages=prefix,
             adapter=self.adapter,
             policy_version=self.policy_version,
+            forced_text=forced_text,
         )
+
+    def _tool_constraints(self, job: ChatJob) -> tuple[str, SamplingParams]:
+        """How the request's tool_choice and parallel_tool_calls are honoured: the text that forces a call (appended
+        to the prompt), and the sampling parameters (a stop at the end of the first call). A constraint this model
+        family's format cannot express is refused (400) rather than ignored."""
+        params = job.params
+        if not job.parse_output or not job.parse_tool_calls:
+            return "", params
+        forced = ""
+        if job.force_tool:
+            if not job.tools:
+                raise BadRequest("tool_choice forces a tool call, but the request offers no tools", param="tool_choice")
+            prefix = self.parser_cls.forced_call_prefix(job.force_tool_name)
+            if prefix is None:
+                raise BadRequest(
+                    f"tool_choice cannot force a call with the {self.parser_cls.name!r} tool-call format",
+                    param="tool_choice",
+                )
+            forced = prefix
+        if job.single_tool_call and job.tools:
+            if self.tool_close_id is None:
+                raise BadRequest(
+                    f"parallel_tool_calls=false cannot be honoured with the {self.parser_cls.name!r} tool-call "
+                    "format of this model's tokenizer",
+                    param="parallel_tool_calls",
+                )
+            params = replace(params, stop_token_ids=(*params.stop_token_ids, self.tool_close_id))
+        return forced, params
 
     def _plan(self, job: ChatJob, scope: str | None) -> tuple[PromptPlan, list[bytes]]:
         if job.prompt_ids is not None:
@@ -299,10 +352,11 @@ class ChatService:
             )
         else:
             parser = PlainText()
+        opening = parser.feed(prep.forced_text) if prep.forced_text else ParseDelta()
         ids: list[int] = []
         logprobs: list[float] = []
         tops: list[dict[int, float]] | None = [] if params.top_logprobs else None
-        deltas: list[ParseDelta] = []
+        deltas: list[ParseDelta] = [opening]
         status, error = "failed", None
         recorded = False
         tail_hash: str | None = None

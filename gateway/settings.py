@@ -46,8 +46,10 @@ class Settings(BaseSettings):
     local_dtype: Literal["float32", "bfloat16"] = "float32"
     # Tool-call/reasoning parser family for the model's output.
     parser: str = "hermes"
-    # Server-side generation cap: a request asking for more gets at most this many tokens.
-    max_tokens: int = Field(default=4096, ge=1)
+    # Server-side generation cap: a request asking for more gets at most this many tokens. None: what the client
+    # asks for, up to the model's context minus the prompt (a cap cuts answers short, and a harness such as Claude
+    # Code treats an answer cut at its `max_tokens` as an error).
+    max_tokens: int | None = Field(default=None, ge=1)
     # Calls generating at once, over all APIs; more are refused with a 503 and Retry-After before reaching the
     # engine (0: no limit).
     max_concurrent_calls: int = Field(default=1024, ge=0)

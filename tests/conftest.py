@@ -17,6 +17,7 @@ import uvicorn
 from gateway.app import build_app
 from gateway.settings import Settings
 from gateway.store import db
+from tests.missing import missing
 
 
 def free_port() -> int:
@@ -191,7 +192,7 @@ def vllm_python() -> str:
 
     python = find_vllm_python(os.environ.get("CLAWGATE_TEST_VLLM_PYTHON"))
     if python is None or not Path(python).exists():
-        pytest.skip("no vLLM interpreter: set CLAWGATE_TEST_VLLM_PYTHON or run ./dev setup-vllm")
+        missing("no vLLM interpreter: set CLAWGATE_TEST_VLLM_PYTHON or run ./dev setup-vllm")
     return python
 
 

@@ -39,13 +39,17 @@ class ScriptedEngine:
         self.requests.append(request)
         ids, fail_after = self.scripts.popleft() if self.scripts else ([self.end_id], None)
         ids = ids[: request.params.max_tokens]
+        for cut, tid in enumerate(ids):  # as real engines do: a stop token ends the completion (and is in it)
+            if tid in request.params.stop_token_ids:
+                ids = ids[: cut + 1]
+                break
         for i, tid in enumerate(ids):
             if fail_after is not None and i == fail_after:
                 raise EngineError("scripted failure")
             await asyncio.sleep(0)
             yield TokenDelta([tid], [-0.25 - 0.01 * i])
-        finish = "stop" if ids and ids[-1] == self.end_id else "length"
-        yield GenerationEnd(finish, self.end_id if finish == "stop" else None, len(request.prompt_ids))
+        stopped = bool(ids) and (ids[-1] == self.end_id or ids[-1] in request.params.stop_token_ids)
+        yield GenerationEnd("stop" if stopped else "length", ids[-1] if stopped else None, len(request.prompt_ids))
 
     async def load_adapter(self, name: str, path: str) -> None:
         self.loaded[name] = path

@@ -24,6 +24,7 @@ import sqlalchemy as sa
 
 from gateway.store.db import make_engine
 from tests.fakes import ScriptedEngine
+from tests.missing import missing
 
 NPM_DIR = Path(__file__).resolve().parent.parent / ".clawgate" / "test-cache" / "npm"
 PACKAGE = "@anthropic-ai/claude-code"
@@ -41,20 +42,20 @@ def claude_exe() -> Path:
     if not exe.exists():
         npm = shutil.which("npm")
         if npm is None:
-            pytest.skip("npm is not installed: cannot install Claude Code")
+            missing("npm is not installed: cannot install Claude Code")
         try:
             view = _run([npm, "view", PACKAGE, "version"], timeout=60)
         except subprocess.TimeoutExpired:
-            pytest.skip("the npm registry did not answer within 60 s")
+            missing("the npm registry did not answer within 60 s")
         if view.returncode != 0:
-            pytest.skip(f"the npm registry refused `npm view {PACKAGE}`: {view.stderr.strip()[-300:]}")
+            missing(f"the npm registry refused `npm view {PACKAGE}`: {view.stderr.strip()[-300:]}")
         NPM_DIR.mkdir(parents=True, exist_ok=True)
         install = _run([npm, "install", "--prefix", str(NPM_DIR), "--no-audit", "--no-fund", PACKAGE], timeout=600)
         if install.returncode != 0 or not exe.exists():
-            pytest.skip(f"`npm install {PACKAGE}` failed: {install.stderr.strip()[-300:]}")
+            missing(f"`npm install {PACKAGE}` failed: {install.stderr.strip()[-300:]}")
     version = _run([str(exe), "--version"], timeout=60)
     if version.returncode != 0:
-        pytest.skip(f"the installed Claude Code does not run on this machine: {version.stderr.strip()[-300:]}")
+        missing(f"the installed Claude Code does not run on this machine: {version.stderr.strip()[-300:]}")
     return exe
 
 

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from gateway import cli
 from gateway.engines.vllm_server import VLLMServer
 from gateway.settings import Settings
+from tests.missing import missing
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -630,7 +631,7 @@ def test_image_holds_every_package_the_cli_imports() -> None:
 def _docker_compose_config(env_file: Path) -> subprocess.CompletedProcess[str]:
     binary = shutil.which("docker-compose")
     if binary is None:
-        pytest.skip("docker-compose is not installed (Debian: apt-get install docker-compose)")
+        missing("docker-compose is not installed (Debian: apt-get install docker-compose)")
     # Only the env file may supply variables: the caller's environment would override it.
     clean = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp")}
     return subprocess.run(

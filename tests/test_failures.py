@@ -163,3 +163,21 @@ def test_calls_over_the_concurrency_limit_are_refused_before_the_engine(gateway_
     with store.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM calls")).scalar() == 3, "refused calls are not recorded"
     store.dispose()
+
+
+def test_no_server_cap_by_default_a_harness_gets_the_budget_it_asks_for(gateway_factory, tiny_tokenizer):
+    """Claude Code asks for 32,000 tokens and treats an answer cut shorter as an error: by default the budget is
+    what the client asks, up to the context window; CLAWGATE_MAX_TOKENS is an opt-in cap."""
+    engine = ScriptedEngine(tiny_tokenizer, max_model_len=40_000)
+    gw = gateway_factory(engine=engine, tokenizer=tiny_tokenizer, max_tokens=None)
+    body = {"model": "tiny", "max_tokens": 32_000, "messages": MESSAGES}
+    assert httpx.post(gw.v1 + "/messages", json=body, timeout=30).status_code == 200
+    assert engine.requests[-1].params.max_tokens == 32_000
+    body["max_tokens"] = 60_000  # more than the window holds: what is left of it
+    assert httpx.post(gw.v1 + "/messages", json=body, timeout=30).status_code == 200
+    prompt = len(engine.requests[-1].prompt_ids)
+    assert engine.requests[-1].params.max_tokens == 40_000 - prompt
+
+    capped = gateway_factory(engine=engine, tokenizer=tiny_tokenizer, max_tokens=512)
+    assert httpx.post(capped.v1 + "/messages", json=body, timeout=30).status_code == 200
+    assert engine.requests[-1].params.max_tokens == 512

@@ -346,9 +346,10 @@ async def create_message(request: Request, state: State, rollout: Rollout) -> Re
     raw = await json_body(request)
     req = MessagesRequest.model_validate(raw)
     state.check_model(req.model)
-    # tool_choice "any"/"tool" (and disable_parallel_tool_use) are accepted but not enforced: forcing a call
-    # needs constrained decoding, which the engines do not offer. "none" leaves tool-call syntax as text.
-    # The `thinking` config is accepted too: whether the model reasons is up to the model and its template.
+    # tool_choice "any"/"tool" forces a call (its opening is appended to the prompt), disable_parallel_tool_use
+    # stops the answer after its first call, "none" leaves tool-call syntax as text. The `thinking` config is
+    # accepted as a hint: whether the model reasons is up to the model and its template.
+    tool_choice = req.tool_choice
     job = ChatJob(
         api="messages",
         model=req.model,
@@ -358,7 +359,10 @@ async def create_message(request: Request, state: State, rollout: Rollout) -> Re
         params=sampling(req),
         rollout=rollout,
         raw_request=raw,
-        parse_tool_calls=req.tool_choice is None or req.tool_choice.type != "none",
+        parse_tool_calls=tool_choice is None or tool_choice.type != "none",
+        force_tool=tool_choice is not None and tool_choice.type in ("any", "tool"),
+        force_tool_name=tool_choice.name if tool_choice is not None and tool_choice.type == "tool" else None,
+        single_tool_call=tool_choice is not None and bool(tool_choice.disable_parallel_tool_use),
         stream=req.stream,
         request_id=new_message_id(),
     )

@@ -149,6 +149,9 @@ async def chat_completions(request: Request, state: State, rollout: Rollout) -> 
         rollout=rollout,
         raw_request=raw,
         parse_tool_calls=req.tool_choice != "none",
+        force_tool=req.tool_choice == "required" or isinstance(req.tool_choice, dict),
+        force_tool_name=req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None,
+        single_tool_call=req.parallel_tool_calls is False,
         stream=req.stream,
     )
     service = state.service

@@ -412,6 +412,9 @@ async def create_response(request: Request, state: State, rollout: Rollout) -> R
         raw_request=raw,
         messages_field="input",
         parse_tool_calls=req.tool_choice != "none",
+        force_tool=req.tool_choice == "required" or isinstance(req.tool_choice, dict),
+        force_tool_name=req.tool_choice.get("name") if isinstance(req.tool_choice, dict) else None,
+        single_tool_call=req.parallel_tool_calls is False,
         stream=req.stream,
         request_id=response_id,
     )

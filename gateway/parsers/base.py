@@ -95,10 +95,20 @@ class OutputParser(ABC):
         self.tools_requested = tools_requested
         self.reasoning_started = reasoning_started
 
+    # The tag that ends a tool call in this family's format (None: none): where a completion stops when the client
+    # allows one tool call per turn (parallel_tool_calls false).
+    tool_call_close: ClassVar[str | None] = None
+
     @classmethod
     def starts_in_reasoning(cls, prompt_text: str) -> bool:
         """Whether a completion of this rendered prompt begins inside a reasoning block."""
         return False
+
+    @classmethod
+    def forced_call_prefix(cls, name: str | None) -> str | None:
+        """Text that, appended to the prompt, puts the model inside a tool call (of function ``name``, or of any
+        function): how a tool_choice that forces a call is honoured. None: this family cannot."""
+        return None
 
     def parse(self, text: str) -> ParsedOutput:
         """Parse a whole completion; leaves this instance's streaming state untouched."""

@@ -109,10 +109,19 @@ class HermesParser(OutputParser):
         self._tool_index = 0
         self._finished = False
 
+    tool_call_close: ClassVar[str | None] = TOOL_CLOSE
+
     @classmethod
     def starts_in_reasoning(cls, prompt_text: str) -> bool:
         tail = prompt_text.rstrip()
         return tail.endswith(THINK_OPEN)
+
+    @classmethod
+    def forced_call_prefix(cls, name: str | None) -> str | None:
+        # As Hermes/Qwen chat templates render a call: '<tool_call>\n{"name": "…", "arguments": …}\n</tool_call>'.
+        if name is None:
+            return TOOL_OPEN + "\n"
+        return TOOL_OPEN + '\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
 
     def feed(self, text_delta: str) -> ParseDelta:
         if self._finished:

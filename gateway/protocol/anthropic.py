@@ -143,6 +143,15 @@ class MessagesRequest(ConversationFields):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
     metadata: dict[str, Any] | None = None
+    # effort is a hint (accepted); format (structured output) needs constrained decoding and is refused.
+    output_config: dict[str, Any] | None = None
+
+    @field_validator("output_config")
+    @classmethod
+    def _no_output_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value and value.get("format") is not None:
+            raise ValueError("output_config.format (structured output) is not supported")
+        return value
 
     @field_validator("stop_sequences")
     @classmethod

@@ -91,6 +91,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Only plain text: JSON modes need constrained decoding, which is refused rather than ignored.
+    response_format: dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -99,6 +101,9 @@ class ChatCompletionRequest(SamplingFields):
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(f"response_format of type {kind!r} is not supported (structured output); use 'text'")
         if isinstance(self.tool_choice, dict):
             fn = self.tool_choice.get("function") or {}
             name = fn.get("name") if isinstance(fn, dict) else None

@@ -170,12 +170,22 @@ class ResponsesRequest(TolerantModel):
         for i, tool in enumerate(self.tools or []):
             if tool.type == "function" and not tool.name:
                 raise ValueError(f"tools[{i}]: a function tool needs a name")
-        if isinstance(self.tool_choice, dict) and self.tool_choice.get("type") == "function":
+        if isinstance(self.tool_choice, dict) and self.tool_choice.get("type") != "function":
+            raise ValueError(
+                f"tool_choice of type {self.tool_choice.get('type')!r} is not supported: only function tools can be "
+                "forced (\"required\" or {\"type\": \"function\", \"name\": …})"
+            )
+        if isinstance(self.tool_choice, dict):
             name = self.tool_choice.get("name")
             if not name:
                 raise ValueError("tool_choice of type function needs a name")
             if not any(t.type == "function" and t.name == name for t in self.tools or []):
                 raise ValueError(f"tool_choice names a function that is not in tools: {name!r}")
+        text_format = (self.text or {}).get("format") or {}
+        if isinstance(text_format, dict) and text_format.get("type", "text") != "text":
+            raise ValueError(
+                f"text.format of type {text_format.get('type')!r} is not supported (structured output); use 'text'"
+            )
         if self.background:
             raise ValueError("background responses are not supported")
         if self.conversation is not None:
@@ -298,13 +308,12 @@ def response_object(
         "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
         "previous_response_id": req.previous_response_id,
         "prompt_cache_key": req.prompt_cache_key,
-        "reasoning": {
-            "effort": req.reasoning.effort if req.reasoning else None,
-            "summary": req.reasoning.summary if req.reasoning else None,
-        },
+        # reasoning.effort and text.verbosity are hints the model cannot be made to follow: accepted (harnesses send
+        # them on every call) but not echoed as if applied.
+        "reasoning": {"effort": None, "summary": req.reasoning.summary if req.reasoning else None},
         "store": req.stored,
         "temperature": 1.0 if req.temperature is None else req.temperature,
-        "text": req.text or {"format": {"type": "text"}},
+        "text": {"format": {"type": "text"}},
         "tool_choice": req.tool_choice or "auto",
         "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
         "top_p": 1.0 if req.top_p is None else req.top_p,
