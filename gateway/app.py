@@ -29,6 +29,7 @@ from gateway.api import system as system_api
 from gateway.engines.base import Engine
 from gateway.errors import APIError, BadRequest, EngineUnavailable
 from gateway.faults import Fault, describe
+from gateway.limits import BodyLimit
 from gateway.metrics import Metrics
 from gateway.policy import PolicyFollower
 from gateway.render import Renderer
@@ -205,6 +206,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
     app.include_router(rollouts_api.router)
     app.include_router(system_api.router)
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, anthropic_path=is_anthropic_path)
     return app
 
 

@@ -181,3 +181,25 @@ def test_no_server_cap_by_default_a_harness_gets_the_budget_it_asks_for(gateway_
     capped = gateway_factory(engine=engine, tokenizer=tiny_tokenizer, max_tokens=512)
     assert httpx.post(capped.v1 + "/messages", json=body, timeout=30).status_code == 200
     assert engine.requests[-1].params.max_tokens == 512
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(gateway_factory, tiny_tokenizer):
+    engine = ScriptedEngine(tiny_tokenizer)
+    gw = gateway_factory(engine=engine, tokenizer=tiny_tokenizer, max_request_bytes=4096)
+    big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}
+    r = httpx.post(gw.v1 + "/chat/completions", json=big, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large", r.text
+    r = httpx.post(gw.v1 + "/messages", json={**big, "max_tokens": 4}, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large" and r.json()["type"] == "error"
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+        for _ in range(10):
+            yield b"y" * 1000
+        yield b'"}]}'
+
+    r = httpx.post(gw.v1 + "/chat/completions", content=chunks(), timeout=30)
+    assert r.status_code == 413 and "CLAWGATE_MAX_REQUEST_BYTES" in r.text, r.text
+    assert engine.requests == [], "nothing oversized reached the engine"
+    small = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(gw.v1 + "/chat/completions", json=small, timeout=30).status_code == 200

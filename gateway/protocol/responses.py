@@ -108,7 +108,7 @@ def _item_kind(value: Any) -> str:
         kind = value.get("type", "message" if "role" in value else None)
     else:
         kind = getattr(value, "type", None)
-    return kind if kind in KNOWN_ITEMS else "other"
+    return kind if isinstance(kind, str) and kind in KNOWN_ITEMS else "other"
 
 
 InputItem = Annotated[
