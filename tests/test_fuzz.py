@@ -21,8 +21,9 @@ from tests.fakes import ScriptedEngine
 
 EXAMPLES = int(os.environ.get("CLAWGATE_FUZZ_EXAMPLES", "120"))  # per route
 
+SCALARS = st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(max_size=20)
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    SCALARS | st.floats(allow_nan=False, allow_infinity=False),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
     max_leaves=12,
 )
