@@ -80,6 +80,8 @@ def _setup_logging(level: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _setup_logging(settings.log_level)
+    # uvicorn re-raises the SIGTERM it handled once it has shut down gracefully: exit 0 (a clean stop), not -15.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     return _serve(settings)
 
 
@@ -99,7 +101,15 @@ def _serve(settings: Settings) -> int:
         return 2
 
     app = build_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(), access_log=False)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        # SIGTERM: stop accepting, let calls in flight finish (at most this long), then drain the capture writer.
+        timeout_graceful_shutdown=settings.shutdown_timeout,
+    )
     return 0
 
 

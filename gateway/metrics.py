@@ -47,6 +47,11 @@ class Metrics:
         self.capture_queue = Gauge("clawgate_capture_queue_depth", "Calls waiting to be written", registry=r)
         self.capture_written = Gauge("clawgate_capture_written", "Rows written by the capture writer", registry=r)
         self.capture_retries = Gauge("clawgate_capture_retries", "Capture write retries", registry=r)
+        self.capture_dead_lettered = Gauge(
+            "clawgate_capture_dead_lettered",
+            "Capture records the database rejected, kept in <data_dir>/spool/dead-letter.jsonl",
+            registry=r,
+        )
         self.capture_degraded = Gauge(
             "clawgate_capture_degraded", "1 while the capture database cannot be written (calls queue up)", registry=r
         )

@@ -137,6 +137,8 @@ class Settings(BaseSettings):
 
     # Responses API: how many stored responses are kept in memory for `previous_response_id`.
     responses_store_size: int = Field(default=2048, ge=0)
+    # Seconds a graceful stop (SIGTERM) waits for calls in flight to finish before cutting them (recorded cancelled).
+    shutdown_timeout: int = Field(default=60, gt=0)
     # The largest request body accepted (bytes); larger ones get a 413 before they are read whole (0: no limit).
     max_request_bytes: int = Field(default=32 * 1024 * 1024, ge=0)
 

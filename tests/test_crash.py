@@ -89,6 +89,58 @@ def test_a_call_served_just_before_a_kill(tmp_path, tiny_model_dir, durable):
     assert stored == (2 if durable else 0)
 
 
+def test_sigterm_under_load_finishes_the_streams_and_drains_the_writer(tmp_path, tiny_model_dir):
+    """A graceful stop (SIGTERM, as docker and systemd send) with streams in flight: each stream runs to its end,
+    the process exits 0, and every call is in the database once, ok."""
+    import threading
+
+    url = f"sqlite:///{tmp_path / 'clawgate.db'}"
+    db.upgrade(url)
+    port = free_port()
+    # Durable capture off: the calls wait in the writer's queue, so the drain at shutdown is what stores them.
+    gw = start_gateway(tmp_path, tiny_model_dir, url, port, capture_durable="false", capture_flush_interval="30")
+    streams = 6
+    started = threading.Barrier(streams + 1, timeout=120)
+    results: list[tuple[str, bool, int]] = []
+
+    def client(i: int) -> None:
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": f"stream {i}"}],
+            "max_tokens": 400,
+            "stream": True,
+            "seed": i,
+        }
+        chunks, done, call_id = 0, False, ""
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120) as r:
+            call_id = r.headers["x-clawgate-call-id"]
+            for line in r.iter_lines():
+                if line.startswith("data: ") and chunks == 0:
+                    started.wait()
+                if line.startswith("data: "):
+                    chunks += 1
+                done = done or line == "data: [DONE]"
+        results.append((call_id, done, chunks))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(streams)]
+    try:
+        for t in threads:
+            t.start()
+        started.wait()  # every stream is under way
+        gw.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+        assert gw.proc.wait(120) == 0, gw.output
+    finally:
+        gw.stop()
+    assert len(results) == streams and all(done for _, done, _ in results), results
+    engine = db.make_engine(url)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT id, status FROM calls")).all()
+    engine.dispose()
+    assert sorted(rows) == sorted((call_id, "ok") for call_id, _, _ in results), "every stream stored once, ok"
+
+
 @pytest.mark.slow
 def test_kill_gateway_mid_stream_and_trainer_mid_step(tmp_path, tiny_model_dir):
     url = f"sqlite:///{tmp_path / 'clawgate.db'}"

@@ -168,3 +168,89 @@ def test_a_client_that_goes_away_stops_the_generation_in_vllm(gateway_factory, v
             break
         time.sleep(0.05)
     assert engine.aborts_sent == 1
+
+
+@pytest.mark.slow
+def test_vllm_killed_mid_stream_fails_cleanly_and_the_gateway_recovers_by_itself(
+    gateway_factory, vllm_python, tiny_model_dir, tiny_tokenizer, tmp_path
+):
+    """kill -9 of vLLM under concurrent streams: each cut stream ends with an error event and is recorded failed
+    (never ok, so never trained on); meanwhile /health says the engine is down and new calls get a clean 503; when
+    vLLM is back on its address the gateway serves again with no restart."""
+    import os
+    import signal
+    import threading
+
+    from gateway.engines.vllm_server import VLLMServer
+    from tests.test_engine_vllm import PROMPT_TEXT
+
+    prompt = tiny_tokenizer.encode(PROMPT_TEXT, add_special_tokens=False)
+
+    # A long window: the tiny model writes ~2,000 tokens/s, and a 4k window can be done before its first chunk
+    # reaches the client; 32k tokens keep every stream running for seconds after it began.
+    window = 32_768
+    server = VLLMServer(
+        vllm_python,
+        tiny_model_dir,
+        served_model_name="tiny",
+        dtype="float32",
+        max_model_len=window,
+        log_path=tmp_path / "vllm.log",
+    )
+    server.start(timeout=240)
+    try:
+        gw = gateway_factory(engine="vllm", vllm_url=server.url, vllm_model="tiny", max_tokens=window)
+        streams = 4
+        started = threading.Barrier(streams + 1, timeout=120)
+        results: dict[str, str] = {}
+
+        def client(i: int) -> None:
+            # This prompt and seed sample no end-of-text for thousands of tokens (see test_engine_vllm).
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": window - 64, "seed": 1, "stream": True}
+            outcome, seen = "incomplete", 0
+            with httpx.stream("POST", gw.v1 + "/completions", json=body, timeout=120) as r:
+                call_id = r.headers["x-clawgate-call-id"]
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    seen += 1
+                    if seen == 1:
+                        started.wait()
+                    if '"error"' in line:
+                        outcome = "error"  # the error event (a [DONE] may follow it)
+                    elif line == "data: [DONE]" and outcome != "error":
+                        outcome = "done"
+            results[call_id] = outcome
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(streams)]
+        for t in threads:
+            t.start()
+        started.wait()
+        assert server._process is not None
+        os.killpg(server._process.pid, signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        assert len(results) == streams and "incomplete" not in results.values(), results
+        assert "error" in results.values(), f"no stream was still running at the kill: {results}"
+
+        health = httpx.get(gw.url + "/health", timeout=30)
+        assert health.status_code == 503 and health.json()["engine"]["state"] == "down"
+        down = httpx.post(gw.v1 + "/chat/completions", json={"model": "tiny", "messages": MESSAGES}, timeout=60)
+        assert down.status_code == 503 and down.json()["error"]["type"] == "service_unavailable", down.text
+
+        server.stop()
+        server.start(timeout=240)  # same address
+        deadline = time.monotonic() + 60
+        while httpx.get(gw.url + "/health", timeout=30).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        back = httpx.post(
+            gw.v1 + "/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4}, timeout=60
+        )
+        assert back.status_code == 200, back.text
+    finally:
+        server.stop()
+    rows = {c.id: c.status for c, *_ in stored(gw, "1 = 1")}
+    for call_id, outcome in results.items():
+        assert rows[call_id] == ("ok" if outcome == "done" else "failed"), (call_id, outcome, rows[call_id])
+    assert rows[back.headers["x-clawgate-call-id"]] == "ok"
+    assert list(rows.values()).count("ok") == list(results.values()).count("done") + 1

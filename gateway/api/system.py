@@ -57,6 +57,7 @@ async def metrics(state: State) -> Response:
     m.capture_queue.set(stats.queued)
     m.capture_written.set(stats.written)
     m.capture_retries.set(stats.retries)
+    m.capture_dead_lettered.set(stats.dead_lettered)
     m.capture_degraded.set(1 if state.writer.degraded else 0)
     try:
         counts = await asyncio.to_thread(training_counts, state.db, state.settings.awaits_judge)
