@@ -88,7 +88,14 @@ def proc_stats(pid: int) -> tuple[float, float]:
     return cpu, rss
 
 
-async def session(
+async def session(base: str, turns: int, deadline: float | None, out: dict, sid: int) -> None:
+    # One client (one keep-alive connection) per session, as each harness has its own: a shared pool scans all
+    # its connections on every event, which made the load generator, not the gateway, the bottleneck.
+    async with httpx.AsyncClient(timeout=120) as client:
+        await converse(client, base, turns, deadline, out, sid)
+
+
+async def converse(
     client: httpx.AsyncClient, base: str, turns: int, deadline: float | None, out: dict, sid: int
 ) -> None:
     messages = [{"role": "user", "content": f"session {sid}: start working"}]
@@ -187,9 +194,7 @@ async def main() -> None:
             out: dict = {"calls": [], "errors": [], "latency": [], "ttft": []}
             deadline = time.monotonic() + args.duration if args.duration else None
             t0 = time.perf_counter()
-            tasks = [
-                asyncio.create_task(session(client, base, args.turns, deadline, out, i)) for i in range(args.sessions)
-            ]
+            tasks = [asyncio.create_task(session(base, args.turns, deadline, out, i)) for i in range(args.sessions)]
             rss_samples = [(0.0, rss0)]
             while not all(t.done() for t in tasks):
                 await asyncio.sleep(min(30.0, max(args.duration / 20, 1.0)) if args.duration else 1.0)
