@@ -69,20 +69,20 @@ def conversation(path: Path) -> tuple[list[Message], list[ToolSpec], str]:
     body, endpoint = capture["body"], capture["path"]
     answer = str(capture.get("_response", {}).get("text") or "done")
     if endpoint.endswith("/messages"):
-        from gateway.api import anthropic
         from gateway.protocol.anthropic import MessagesRequest
+        from gateway.serving import messages as anthropic
 
         req = MessagesRequest.model_validate(body)
         return anthropic.to_messages(req), anthropic.to_tools(req.tools), answer
     if endpoint.endswith("/responses"):
-        from gateway.api import responses
         from gateway.protocol.responses import ResponsesRequest
+        from gateway.serving import responses
 
         rreq = ResponsesRequest.model_validate(body)
         items = rreq.input if isinstance(rreq.input, list) else []
         return responses.to_messages(items), responses.to_tools(rreq.tools), answer
-    from gateway.api import openai
     from gateway.protocol.openai import ChatCompletionRequest
+    from gateway.serving import chat as openai
 
     creq = ChatCompletionRequest.model_validate(body)
     tools = [ToolSpec(t.function.name, t.function.description, t.function.parameters) for t in creq.tools or []]

@@ -83,7 +83,7 @@ async def close_idle_sessions(store: Any, writer: CallWriter, service: ChatServi
             continue
         fault.cleared()
         if closed:
-            service.closed_rollouts.update(closed)
+            service.close_rollouts(closed)
             log.info("closed %d idle session rollout(s)", len(closed))
 
 

@@ -145,7 +145,7 @@ class PolicyFollower:
             return
         self.loaded.setdefault(version, name)
         previous = self.service.adapter
-        self.service.adapter, self.service.policy_version = name, version
+        self.service.use_policy(name, version)
         self.current = version
         self.last_swap_seconds = time.perf_counter() - t0
         await asyncio.to_thread(mark_current, self.db, version, loaded_at)

@@ -1,9 +1,12 @@
 """The protocol-independent serving core: prepare a prompt, run the engine, parse, capture.
 
-Every public API (chat completions now; Anthropic messages and responses plug in the same way) translates its
-request into a ``ChatJob``, calls ``ChatService.prepare`` and then iterates ``ChatService.run_choice`` for each of
-its ``n`` choices, translating the ``ChoiceDelta``s and the final ``ChoiceResult`` back into its own wire format.
-So rendering, TITO splicing, parsing, capture and rollout grouping behave identically whichever API is used.
+Every public API (chat completions, completions, Anthropic messages, responses; see ``gateway/serving``)
+translates its request into a ``ChatJob``, calls ``ChatService.prepare`` and then iterates
+``ChatService.run_choice`` for each of its ``n`` choices, translating the ``ChoiceDelta``s and the final
+``ChoiceResult`` back into its own wire format. So rendering, TITO splicing, parsing, capture and rollout grouping
+behave identically whichever API is used. The service knows no protocol's field names: a job carries what it
+needs. Token-level work a protocol asks for (raw prompts, token texts for logprobs) runs here too, off the event
+loop when it is large.
 
 Capture invariant: every choice that reached the engine is recorded exactly once — ``ok`` with its tokens,
 ``failed`` with the error, or ``cancelled`` (client went away) with the tokens produced so far — from the
@@ -15,31 +18,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import replace
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gateway.conversation import Message, ToolCall, ToolSpec, exact_hash, extend_hash, output_hash
+from gateway.conversation import Message, ToolCall, exact_hash, extend_hash, output_hash
 from gateway.detokenize import IncrementalDetokenizer
-from gateway.engines.base import Engine, GenerationEnd, GenerationRequest, SamplingParams, TokenDelta
-from gateway.errors import APIError, BadRequest, ContextTooLong, EngineError, EngineUnavailable
+from gateway.engines.base import Engine, GenerationEnd, GenerationRequest, TokenDelta
+from gateway.errors import APIError, ContextTooLong, EngineError, EngineUnavailable
+from gateway.ids import new_id
+from gateway.job import ChatJob, ChoiceDelta, ChoiceResult, Prepared
 from gateway.metrics import Metrics
 from gateway.next_state import RULE_SOURCE, next_state, tool_errors
 from gateway.parsers import get_parser
-from gateway.parsers.base import OutputParser, ParseDelta, ParsedOutput, ToolCallDelta, collect
+from gateway.parsers.base import OutputParser, ParseDelta, ParsedOutput, collect
+from gateway.parsers.plain import PlainText
 from gateway.render import Renderer
 from gateway.sessions import CallEntry, PromptPlan, SessionIndex, plan_prompt
 from gateway.stops import StopTrimmer
 from gateway.store import codec, repo
 from gateway.store.models import Call, Rollout
 from gateway.store.writer import CallRecord, CallWriter, RewardRecord, RolloutRecord
+from gateway.tokens import Alternatives, prompt_ids, token_texts
+from gateway.tool_choice import ToolChoice
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -47,117 +54,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("clawgate.service")
 
 
-def single_token_id(tokenizer: PreTrainedTokenizerBase, text: str | None) -> int | None:
-    """The id of ``text`` when the tokenizer encodes it as exactly one token, else None."""
-    if not text:
-        return None
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return int(ids[0]) if len(ids) == 1 else None
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-@dataclass(slots=True)
-class RolloutRef:
-    """Who a request belongs to: an explicit rollout id (URL prefix or header) or None for implicit grouping."""
-
-    id: str | None = None
-    is_subagent: bool = False
-    agent_id: str | None = None
-    # explicit: named by the client (URL prefix, X-Rollout-Id); session: a harness's own session header.
-    # Session and implicit rollouts are closed by the gateway after an idle timeout; explicit ones by the client.
-    kind: str = "explicit"
-
-
-@dataclass(slots=True)
-class ChatJob:
-    api: str  # chat | messages | responses
-    model: str
-    messages: list[Message]
-    tools: list[ToolSpec]
-    n: int
-    params: SamplingParams
-    rollout: RolloutRef
-    raw_request: dict[str, Any]
-    messages_field: str = "messages"  # the field of raw_request that holds the conversation
-    parse_tool_calls: bool = True
-    # tool_choice that forces a call: of any offered function (force_tool, no name) or of the one named.
-    force_tool: bool = False
-    force_tool_name: str | None = None
-    # At most one tool call per answer (parallel_tool_calls false, Anthropic disable_parallel_tool_use).
-    single_tool_call: bool = False
-    stream: bool = True  # whether the client watches tokens arrive
-    # False: the completion is returned as plain text (the completions API), no reasoning/tool parsing.
-    parse_output: bool = True
-    # Set for token-level APIs (completions): the prompt as given, no chat rendering or splicing.
-    prompt_ids: list[int] | None = None
-    request_id: str = ""
-
-
-@dataclass(slots=True)
-class Prepared:
-    job: ChatJob
-    request_id: str
-    rollout_id: str
-    plan: PromptPlan
-    params: SamplingParams
-    call_ids: list[str]
-    started_at: datetime
-    t0: float
-    render_s: float
-    exact_hashes: list[bytes]
-    stored_request: dict[str, Any]  # full body; the writer stores it as a delta
-    request_prefix_messages: int
-    adapter: str | None = None
-    policy_version: int | None = None
-    # Text appended to the rendered prompt to force a tool call; the output parser reads it first.
-    forced_text: str = ""
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.plan.prompt_ids
-
-
-@dataclass(slots=True)
-class ChoiceDelta:
-    index: int
-    content: str = ""
-    reasoning: str = ""
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[int, float]] | None = None
-
-
-@dataclass(slots=True)
-class ChoiceResult:
-    index: int
-    call_id: str
-    finish_reason: str  # stop | length | tool_calls
-    output: ParsedOutput
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[dict[int, float]] | None
-    stop_sequence: str | None = None  # the stop string that ended the choice, if one did
-
-
-class PlainText:
-    """The parser interface for APIs that return raw text."""
-
-    def feed(self, text: str) -> ParseDelta:
-        return ParseDelta(content=text)
-
-    def finish(self) -> ParseDelta:
-        return ParseDelta()
-
-    def parse(self, text: str) -> ParsedOutput:
-        return ParsedOutput(content=text, reasoning=None)
-
-
 # How long a durable-capture call waits for its commit before it is served anyway.
 DURABLE_WAIT_S = 5.0
+# Up to this many tokens are decoded for logprobs on the event loop: a thread hop costs more than a stream
+# chunk's few tokens, and a whole answer's many are decoded in a worker thread.
+INLINE_DECODE_TOKENS = 32
 
 
 class ChatService:
@@ -187,8 +88,7 @@ class ChatService:
         self.metrics = metrics
         self.max_tokens_cap = max_tokens_cap
         self.parser_cls = get_parser(parser)
-        # The token that closes a tool call, when the tokenizer has it as one token: the stop for one call per turn.
-        self.tool_close_id = single_token_id(tokenizer, self.parser_cls.tool_call_close)
+        self.tool_choice = ToolChoice(self.parser_cls, tokenizer)
         self.adapter = adapter
         self.policy_version = policy_version
         # Calls running per adapter: a version is unloaded only once none of this gateway's calls use it.
@@ -204,6 +104,28 @@ class ChatService:
         self.in_flight = 0
         self.max_in_flight = max_in_flight
 
+    # -- state others change through these ------------------------------------------------------------------
+    def use_policy(self, adapter: str | None, version: int | None) -> None:
+        """Serve new calls with ``adapter`` (None: the base model), recorded as policy ``version``."""
+        self.adapter, self.policy_version = adapter, version
+
+    def close_rollouts(self, rollout_ids: Iterable[str]) -> None:
+        """Rollouts the gateway closed: a conversation that resumes one starts a new rollout instead."""
+        self.closed_rollouts.update(rollout_ids)
+
+    # -- token-level work ------------------------------------------------------------------------------------
+    async def raw_prompt(self, prompt: str | list[int], *, echo: bool, param: str) -> tuple[list[int], str]:
+        """A token-level prompt's ids (checked against the vocabulary) and, with ``echo``, its text."""
+        return await asyncio.to_thread(prompt_ids, self.tokenizer, self.renderer, prompt, echo=echo, param=param)
+
+    async def token_texts(
+        self, ids: list[int], tops: list[dict[int, float]] | None
+    ) -> tuple[list[str], list[Alternatives] | None]:
+        """The text of each token and of its top alternatives; a long run is decoded in a worker thread."""
+        if len(ids) <= INLINE_DECODE_TOKENS:
+            return token_texts(self.tokenizer, ids, tops)
+        return await asyncio.to_thread(token_texts, self.tokenizer, ids, tops)
+
     # -- prepare --------------------------------------------------------------------------------------------
     async def prepare(self, job: ChatJob) -> Prepared:
         t0 = time.perf_counter()
@@ -216,7 +138,7 @@ class ChatService:
         if plan.mode == "drifted":
             self.metrics.drift.inc()
             log.warning("prompt drift: could not splice an earlier answer (rollout=%s)", scope)
-        forced_text, params = self._tool_constraints(job)
+        forced_text, params = self.tool_choice.apply(job)
         if forced_text:
             # The opening of a tool call goes at the end of the prompt: the model continues inside the call. These
             # tokens were not sampled, so they belong to the prompt (never trained on); a later turn that echoes
@@ -243,10 +165,9 @@ class ChatService:
             parent_hashes = plan.parent.exact_hashes
             while prefix < min(len(parent_hashes), len(exact)) and parent_hashes[prefix] == exact[prefix]:
                 prefix += 1
-        request_id = job.request_id or new_id("chatcmpl")
         return Prepared(
             job=job,
-            request_id=request_id,
+            request_id=job.request_id,
             rollout_id=rollout_id,
             plan=plan,
             params=params,
@@ -262,40 +183,12 @@ class ChatService:
             forced_text=forced_text,
         )
 
-    def _tool_constraints(self, job: ChatJob) -> tuple[str, SamplingParams]:
-        """How the request's tool_choice and parallel_tool_calls are honoured: the text that forces a call (appended
-        to the prompt), and the sampling parameters (a stop at the end of the first call). A constraint this model
-        family's format cannot express is refused (400) rather than ignored."""
-        params = job.params
-        if not job.parse_output or not job.parse_tool_calls:
-            return "", params
-        forced = ""
-        if job.force_tool:
-            if not job.tools:
-                raise BadRequest("tool_choice forces a tool call, but the request offers no tools", param="tool_choice")
-            prefix = self.parser_cls.forced_call_prefix(job.force_tool_name)
-            if prefix is None:
-                raise BadRequest(
-                    f"tool_choice cannot force a call with the {self.parser_cls.name!r} tool-call format",
-                    param="tool_choice",
-                )
-            forced = prefix
-        if job.single_tool_call and job.tools:
-            if self.tool_close_id is None:
-                raise BadRequest(
-                    f"parallel_tool_calls=false cannot be honoured with the {self.parser_cls.name!r} tool-call "
-                    "format of this model's tokenizer",
-                    param="parallel_tool_calls",
-                )
-            params = replace(params, stop_token_ids=(*params.stop_token_ids, self.tool_close_id))
-        return forced, params
-
     def _plan(self, job: ChatJob, scope: str | None) -> tuple[PromptPlan, list[bytes]]:
         if job.prompt_ids is not None:
             return PromptPlan(list(job.prompt_ids), "raw", None, []), []
         plan = plan_prompt(self.renderer, self.index, scope, job.messages, job.tools, self._stored_parent)
-        raw_messages = job.raw_request.get(job.messages_field)
-        exact = [exact_hash(m) for m in raw_messages] if isinstance(raw_messages, list) else []
+        raw = job.raw_messages
+        exact = [exact_hash(m) for m in raw] if isinstance(raw, list) else []
         return plan, exact
 
     def _stored_parent(self, scope: str | None, tail: bytes) -> CallEntry | None:

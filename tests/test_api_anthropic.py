@@ -14,9 +14,9 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from gateway.api.anthropic import to_messages
 from gateway.conversation import Message, ToolCall, normalized
 from gateway.protocol.anthropic import MessagesRequest
+from gateway.serving.messages import to_messages
 from gateway.store import codec
 from gateway.store.db import make_engine
 from tests.conftest import LiveGateway

@@ -18,9 +18,9 @@ import openai
 import pytest
 import sqlalchemy as sa
 
-from gateway.api.responses import to_messages
 from gateway.conversation import Message, ToolCall, normalized
 from gateway.protocol.responses import ResponsesRequest, decode_reasoning, encode_reasoning
+from gateway.serving.responses import to_messages
 from gateway.store import codec
 from gateway.store.db import make_engine
 from tests.fakes import ScriptedEngine, SlowEngine

@@ -13,14 +13,14 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from gateway.api import anthropic as anthropic_api
-from gateway.api import openai as openai_api
-from gateway.api import responses as responses_api
 from gateway.conversation import Message
 from gateway.next_state import RULE_SOURCE, next_state, tool_errors
 from gateway.protocol.anthropic import MessagesRequest
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.protocol.responses import ResponsesRequest
+from gateway.serving import chat as chat_serving
+from gateway.serving import messages as messages_serving
+from gateway.serving import responses as responses_serving
 from gateway.store.db import make_engine
 from gateway.store.models import Call, Reward
 from tests.fakes import ScriptedEngine
@@ -35,12 +35,12 @@ def body(path: str) -> dict[str, Any]:
 def conversation(api: str, raw: dict[str, Any]) -> list[Message]:
     """A request as the gateway's internal messages (what the service sees)."""
     if api == "chat":
-        return openai_api.to_messages(ChatCompletionRequest.model_validate(raw).messages)
+        return chat_serving.to_messages(ChatCompletionRequest.model_validate(raw).messages)
     if api == "messages":
-        return anthropic_api.to_messages(MessagesRequest.model_validate(raw))
+        return messages_serving.to_messages(MessagesRequest.model_validate(raw))
     req = ResponsesRequest.model_validate(raw)
     assert not isinstance(req.input, str) and req.input is not None
-    return responses_api.to_messages(req.input)
+    return responses_serving.to_messages(req.input)
 
 
 def last_assistant(messages: list[Message]) -> int:

@@ -14,7 +14,7 @@ from fastapi import Depends, Request
 
 from gateway import rollouts
 from gateway.errors import BadRequest, EngineUnavailable, Forbidden, Unauthorized
-from gateway.service import RolloutRef
+from gateway.job import RolloutRef
 from gateway.state import AppState
 
 ROLLOUT_HEADER = "x-rollout-id"
@@ -155,4 +155,5 @@ async def rollout_ref(request: Request) -> RolloutRef:
 
 ClientAuth = Depends(require_client)
 AdminAuth = Depends(require_admin)
-Rollout = Annotated[RolloutRef, Depends(rollout_ref)]
+# Who a serving request belongs to (not the ORM model ``gateway.store.models.Rollout``).
+RolloutScope = Annotated[RolloutRef, Depends(rollout_ref)]

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from gateway.protocol.base import TolerantModel
+from gateway.protocol.base import ModelRequest, TolerantModel
 
 
 class TextBlock(TolerantModel):
@@ -113,7 +113,7 @@ class ThinkingConfig(TolerantModel):
     display: str | None = None
 
 
-class ConversationFields(TolerantModel):
+class ConversationFields(ModelRequest):
     """What both endpoints render: the model, the conversation and the tools."""
 
     model: str = Field(min_length=1)

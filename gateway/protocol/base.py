@@ -33,6 +33,12 @@ class TolerantModel(BaseModel):
         return self
 
 
+class ModelRequest(TolerantModel):
+    """A request that names the model it is for (every serving request)."""
+
+    model: str
+
+
 def dump(model: BaseModel) -> dict[str, Any]:
     """A response model as JSON-ready dict, without fields left unset to None by extensions."""
     return model.model_dump(exclude_none=True)

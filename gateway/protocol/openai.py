@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from gateway.protocol.base import TolerantModel
+from gateway.protocol.base import ModelRequest, TolerantModel
 
 
 class ContentPart(TolerantModel):
@@ -57,7 +57,7 @@ class StreamOptions(TolerantModel):
     include_usage: bool = False
 
 
-class SamplingFields(TolerantModel):
+class SamplingFields(ModelRequest):
     """Fields shared by chat completions and completions."""
 
     model: str

@@ -16,12 +16,11 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from gateway.protocol.base import TolerantModel
+from gateway.protocol.base import ModelRequest, TolerantModel
 
 # --- request ---------------------------------------------------------------------------------------------------
 
@@ -138,7 +137,7 @@ class ReasoningConfig(TolerantModel):
     summary: str | None = None
 
 
-class ResponsesRequest(TolerantModel):
+class ResponsesRequest(ModelRequest):
     model: str
     input: str | list[InputItem] | None = None
     instructions: str | None = None
@@ -225,10 +224,6 @@ def decode_reasoning(blob: str) -> str | None:
 
 
 # --- output items ------------------------------------------------------------------------------------------------
-
-
-def new_item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def reasoning_item(item_id: str, text: str, *, encrypted: bool, status: str = "completed") -> dict[str, Any]:

@@ -1,40 +1,29 @@
-"""Helpers every protocol's routes share: SSE framing, response headers, body parsing, and running the n
-choices of a request (interleaved for streams, gathered otherwise) with their iterators always closed."""
+"""Running a request's n choices: interleaved as their tokens arrive (streams) or gathered (whole responses),
+with every choice's iterator closed whatever happens, so the service's ``finally`` records each call."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import Request
+from gateway.job import ChoiceDelta, ChoiceResult
 
-from gateway.errors import BadRequest
-from gateway.service import ChoiceDelta, ChoiceResult, Prepared
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+Event = ChoiceDelta | ChoiceResult
 
 
-def call_headers(prep: Prepared) -> dict[str, str]:
-    return {"x-clawgate-call-id": ",".join(prep.call_ids), "x-clawgate-rollout-id": prep.rollout_id}
-
-
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-
-async def merge(
-    iterators: list[AsyncIterator[ChoiceDelta | ChoiceResult]],
-) -> AsyncIterator[ChoiceDelta | ChoiceResult]:
+async def merge(iterators: list[AsyncIterator[Event]]) -> AsyncIterator[Event]:
     """Interleave the n choices' streams as their tokens arrive."""
     if len(iterators) == 1:
-        async for item in iterators[0]:
-            yield item
+        try:
+            async for item in iterators[0]:
+                yield item
+        finally:
+            await iterators[0].aclose()  # type: ignore[attr-defined]
         return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
-    async def pump(i: int, it: AsyncIterator[ChoiceDelta | ChoiceResult]) -> None:
+    async def pump(i: int, it: AsyncIterator[Event]) -> None:
         try:
             async for item in it:
                 await queue.put((i, item))
@@ -61,19 +50,17 @@ async def merge(
             await it.aclose()  # type: ignore[attr-defined]
 
 
-async def prefetch(
-    it: AsyncIterator[ChoiceDelta | ChoiceResult],
-) -> tuple[ChoiceDelta | ChoiceResult | None, AsyncIterator[ChoiceDelta | ChoiceResult]]:
+async def prefetch(it: AsyncIterator[Event]) -> AsyncIterator[Event]:
     """Pull the first event before answering, so an engine error that happens at once gets a real status code."""
     try:
         first = await anext(it)
     except StopAsyncIteration:
-        return None, it
+        return it
     except BaseException:
         await it.aclose()  # type: ignore[attr-defined]
         raise
 
-    async def chained() -> AsyncIterator[ChoiceDelta | ChoiceResult]:
+    async def chained() -> AsyncIterator[Event]:
         try:
             yield first
             async for item in it:
@@ -81,16 +68,22 @@ async def prefetch(
         finally:
             await it.aclose()  # type: ignore[attr-defined]
 
-    return first, chained()
+    return chained()
 
 
-async def collect_all(iterators: list[AsyncIterator[ChoiceDelta | ChoiceResult]]) -> list[ChoiceResult]:
-    async def one(it: AsyncIterator[ChoiceDelta | ChoiceResult]) -> ChoiceResult:
+async def collect_all(
+    iterators: list[AsyncIterator[Event]], observe: Callable[[ChoiceDelta], None] | None = None
+) -> list[ChoiceResult]:
+    """Each choice's result, in order; ``observe`` sees every delta on the way (token counts, ids)."""
+
+    async def one(it: AsyncIterator[Event]) -> ChoiceResult:
         result: ChoiceResult | None = None
         try:
             async for item in it:
                 if isinstance(item, ChoiceResult):
                     result = item
+                elif observe is not None:
+                    observe(item)
         finally:
             await it.aclose()  # type: ignore[attr-defined]
         assert result is not None
@@ -99,14 +92,3 @@ async def collect_all(iterators: list[AsyncIterator[ChoiceDelta | ChoiceResult]]
     if len(iterators) == 1:
         return [await one(iterators[0])]
     return list(await asyncio.gather(*(one(it) for it in iterators)))
-
-
-async def json_body(request: Request) -> dict[str, Any]:
-    body = await request.body()
-    try:
-        value = json.loads(body)
-    except ValueError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise BadRequest("request body must be a JSON object")
-    return value

@@ -1,0 +1,202 @@
+"""What every protocol's serving shares: the request prologue, sampling defaults, content-part flattening, the
+respond and stream shells, SSE framing, and the one tail for an error after a stream began.
+
+A protocol subclasses ``ProtocolServing`` and keeps only its translation: request → ``ChatJob``, results → its
+response body, and a ``StreamEncoder`` for its stream events. The shells here give every protocol the same
+guarantees: an engine error that happens at once gets a real status code (the first event is pulled before
+answering), a stream that breaks later ends with the protocol's own error event and a log line, and the choice
+iterators are closed in a ``finally`` whatever the client does, so the service records every call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, Generic, Protocol, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from gateway.engines.base import SamplingParams
+from gateway.errors import APIError, BadRequest
+from gateway.job import Prepared, RolloutRef
+from gateway.protocol.base import ModelRequest
+from gateway.service import ChatService
+from gateway.serving.choices import Event, merge, prefetch
+from gateway.state import AppState
+
+log = logging.getLogger("clawgate.serving")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# No max_tokens from the client means "as many as fit": prepare() clips it to the server cap and the context.
+UNLIMITED_TOKENS = 1 << 30
+
+Req = TypeVar("Req", bound=ModelRequest)
+Other = TypeVar("Other", bound=ModelRequest)
+
+
+# --- translation helpers -------------------------------------------------------------------------------------
+def sampling(
+    *,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: Iterable[str] | None = None,
+    top_logprobs: int = 0,
+) -> SamplingParams:
+    """Sampling parameters with the defaults every protocol documents (temperature and top_p 1, top_k off)."""
+    return SamplingParams(
+        max_tokens=max_tokens or UNLIMITED_TOKENS,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=top_k if top_k is not None and top_k > 0 else 0,
+        seed=seed,
+        stop=tuple(stop or ()),
+        top_logprobs=top_logprobs,
+    )
+
+
+class Part(Protocol):
+    @property
+    def type(self) -> str: ...
+
+    @property
+    def text(self) -> str | None: ...
+
+
+# Content parts that carry media: refused with a message saying so (the served models take text only).
+MEDIA_PARTS = frozenset({"image_url", "input_image", "image", "input_audio", "file", "input_file"})
+
+
+def flatten_text(parts: Iterable[Part], where: str, *, text_types: frozenset[str], media_types: frozenset[str]) -> str:
+    """The text of a list of content parts; media parts and unknown types are refused with a 400 naming ``where``.
+
+    A ``refusal`` part (Responses echoes) reads as its refusal text when ``text_types`` admits it.
+    """
+    out: list[str] = []
+    for part in parts:
+        if part.type in text_types:
+            refusal = getattr(part, "refusal", None) if part.type == "refusal" else None
+            out.append(refusal or part.text or "")
+        elif part.type in media_types:
+            raise BadRequest(f"this model accepts text only; got a content part of type {part.type!r}", param=where)
+        else:
+            raise BadRequest(f"unsupported content part type {part.type!r}", param=where)
+    return "".join(out)
+
+
+# --- wire helpers --------------------------------------------------------------------------------------------
+def sse(data: dict[str, Any], event: str | None = None) -> bytes:
+    """One Server-Sent Event: ``data:`` compact JSON, behind an ``event:`` line for typed streams."""
+    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    if event is None:
+        return b"data: " + payload.encode() + b"\n\n"
+    return f"event: {event}\ndata: {payload}\n\n".encode()
+
+
+def call_headers(*preps: Prepared) -> dict[str, str]:
+    """The calls a response holds and their rollouts, so a client can reward or look them up."""
+    return {
+        "x-clawgate-call-id": ",".join(c for p in preps for c in p.call_ids),
+        "x-clawgate-rollout-id": ",".join(dict.fromkeys(p.rollout_id for p in preps)),
+    }
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    body = await request.body()
+    try:
+        value = json.loads(body)
+    except ValueError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise BadRequest("request body must be a JSON object")
+    return value
+
+
+def json_response(body: BaseModel | dict[str, Any], *preps: Prepared) -> Response:
+    """A whole response, with the headers naming its calls."""
+    if isinstance(body, dict):
+        return JSONResponse(body, headers=call_headers(*preps))
+    # exclude_none would drop the nulls the protocols spell out (logprobs, stop_sequence ...): fields a protocol
+    # omits when empty are left unset by the translation instead.
+    return Response(
+        body.model_dump_json(exclude_unset=True), media_type="application/json", headers=call_headers(*preps)
+    )
+
+
+# --- streams -------------------------------------------------------------------------------------------------
+class StreamEncoder(ABC):
+    """One response's events → the protocol's stream chunks."""
+
+    # Sent last, after the error event too (OpenAI's ``data: [DONE]``).
+    done: bytes = b""
+
+    @abstractmethod
+    def encode(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+        """The chunks of the whole stream; exceptions are left to the tail."""
+
+    @abstractmethod
+    def error(self, exc: APIError) -> bytes:
+        """The protocol's event for an error after the stream began."""
+
+
+async def guarded(encoder: StreamEncoder, events: AsyncIterator[Event], api: str) -> AsyncIterator[bytes]:
+    """The one tail of every stream: an error after the first byte goes out as the protocol's error event (the
+    status line is long gone) and is logged; the events are closed whether the stream ended, broke or the client
+    went away."""
+    chunks = encoder.encode(events)
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except APIError as exc:
+        log.warning("%s stream ended with an error: %s: %s", api, type(exc).__name__, exc.message)
+        yield encoder.error(exc)
+    except Exception as exc:  # never let a broken stream end without telling the client why
+        log.exception("%s stream failed", api)
+        yield encoder.error(APIError(f"internal error: {exc}"))
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+        await events.aclose()  # type: ignore[attr-defined]
+    if encoder.done:
+        yield encoder.done
+
+
+# --- the serving base ----------------------------------------------------------------------------------------
+class ProtocolServing(ABC, Generic[Req]):
+    """One protocol's serving: the prologue and the shells; subclasses translate."""
+
+    api: str  # the capture's name of the protocol: chat | completions | messages | responses
+    request_model: type[Req]
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+        self.service: ChatService = state.service
+
+    async def handle(self, request: Request, rollout: RolloutRef) -> Response:
+        """The route's whole work: parse and check the request, then serve it."""
+        raw, req = await self.parse(request, self.request_model)
+        return await self.serve(req, raw, rollout)
+
+    async def parse(self, request: Request, model: type[Other]) -> tuple[dict[str, Any], Other]:
+        raw = await json_body(request)
+        req = model.model_validate(raw)
+        self.state.check_model(req.model)
+        return raw, req
+
+    @abstractmethod
+    async def serve(self, req: Req, raw: dict[str, Any], rollout: RolloutRef) -> Response: ...
+
+    async def stream(
+        self, prep: Prepared, iterators: list[AsyncIterator[Event]], encoder: StreamEncoder
+    ) -> StreamingResponse:
+        events = await prefetch(merge(iterators))
+        return StreamingResponse(
+            guarded(encoder, events, self.api),
+            media_type="text/event-stream",
+            headers={**SSE_HEADERS, **call_headers(prep)},
+        )
