@@ -29,6 +29,24 @@ class RolloutRef:
     kind: str = "explicit"
 
 
+@dataclass(slots=True, frozen=True)
+class ToolUse:
+    """What the request's tool choice allows the answer: every protocol's spelling of it maps onto this."""
+
+    parse: bool = True  # tool-call syntax in the answer becomes calls (tool_choice "none": it stays text)
+    # A forced call: of any offered function (no name) or of the one named.
+    force: bool = False
+    name: str | None = None
+    # At most one tool call per answer (parallel_tool_calls false, Anthropic disable_parallel_tool_use).
+    single: bool = False
+
+    @classmethod
+    def openai(cls, choice: str | dict[str, Any] | None, name: str | None, parallel: bool | None) -> ToolUse:
+        """The OpenAI APIs' spelling (chat completions and responses): "none", "auto", "required" or a function."""
+        forced = choice == "required" or isinstance(choice, dict)
+        return cls(parse=choice != "none", force=forced, name=name, single=parallel is False)
+
+
 @dataclass(slots=True)
 class ChatJob:
     """One request as the service sees it: the conversation and tools, how to sample, who it belongs to."""
@@ -46,12 +64,7 @@ class ChatJob:
     # The conversation as sent (the request's own message or item dicts): hashed exactly, to find the longest
     # prefix shared with the parent call's request. None for token-level APIs.
     raw_messages: list[Any] | None = None
-    parse_tool_calls: bool = True
-    # tool_choice that forces a call: of any offered function (force_tool, no name) or of the one named.
-    force_tool: bool = False
-    force_tool_name: str | None = None
-    # At most one tool call per answer (parallel_tool_calls false, Anthropic disable_parallel_tool_use).
-    single_tool_call: bool = False
+    tool_use: ToolUse = ToolUse()
     stream: bool = True  # whether the client watches tokens arrive
     # False: the completion is returned as plain text (the completions API), no reasoning/tool parsing.
     parse_output: bool = True

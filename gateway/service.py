@@ -240,7 +240,7 @@ class ChatService:
             # A template whose generation prompt opens a <think> block (Qwen3 thinking) starts us in reasoning.
             prompt_tail = str(self.tokenizer.decode(prep.prompt_ids[-4:]))
             parser = self.parser_cls(
-                tools_requested=job.parse_tool_calls and bool(job.tools),
+                tools_requested=job.tool_use.parse and bool(job.tools),
                 reasoning_started=self.parser_cls.starts_in_reasoning(prompt_tail),
             )
         else:

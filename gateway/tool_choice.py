@@ -30,20 +30,20 @@ class ToolChoice:
         """The text that forces a call (appended to the prompt; empty when none is forced), and the sampling
         parameters (a stop at the end of the first call)."""
         params = job.params
-        if not job.parse_output or not job.parse_tool_calls:
+        if not job.parse_output or not job.tool_use.parse:
             return "", params
         forced = ""
-        if job.force_tool:
+        if job.tool_use.force:
             if not job.tools:
                 raise BadRequest("tool_choice forces a tool call, but the request offers no tools", param="tool_choice")
-            prefix = self.parser_cls.forced_call_prefix(job.force_tool_name)
+            prefix = self.parser_cls.forced_call_prefix(job.tool_use.name)
             if prefix is None:
                 raise BadRequest(
                     f"tool_choice cannot force a call with the {self.parser_cls.name!r} tool-call format",
                     param="tool_choice",
                 )
             forced = prefix
-        if job.single_tool_call and job.tools:
+        if job.tool_use.single and job.tools:
             if self.tool_close_id is None:
                 raise BadRequest(
                     f"parallel_tool_calls=false cannot be honoured with the {self.parser_cls.name!r} tool-call "

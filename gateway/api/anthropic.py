@@ -1,27 +1,19 @@
-"""Anthropic Messages API routes: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
-
-Thin: ``gateway.serving.messages`` translates the protocol, ``ChatService`` serves.
-"""
+"""Anthropic Messages API routes (``gateway.serving.messages`` does the work): messages and token counting."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
 
-from gateway.api.deps import ClientAuth, RolloutScope, State
+from gateway.api.deps import ClientAuth, State
+from gateway.api.routing import ROLLOUT_PREFIX, add_serving_route
 from gateway.serving.messages import MessagesServing
 
 router = APIRouter()
-
-
-@router.post("/v1/messages", dependencies=[ClientAuth])
-@router.post("/rollouts/{rollout_id}/v1/messages", dependencies=[ClientAuth])
-async def create_message(request: Request, state: State, rollout: RolloutScope) -> Response:
-    return await MessagesServing(state).handle(request, rollout)
+add_serving_route(router, "/v1/messages", MessagesServing, name="create_message")
 
 
 @router.post("/v1/messages/count_tokens", dependencies=[ClientAuth])
-@router.post("/rollouts/{rollout_id}/v1/messages/count_tokens", dependencies=[ClientAuth])
+@router.post(ROLLOUT_PREFIX + "/v1/messages/count_tokens", dependencies=[ClientAuth])
 async def count_tokens(request: Request, state: State) -> dict[str, int]:
     """The prompt length the same conversation would have in a fresh ``/v1/messages`` call."""
     return await MessagesServing(state).count_tokens(request)

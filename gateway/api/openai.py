@@ -1,33 +1,19 @@
-"""OpenAI-compatible routes: chat completions, completions, models.
-
-The routes only translate HTTP to a handler: ``gateway.serving.chat`` and ``gateway.serving.completions`` do the
-protocol work, ``ChatService`` the serving.
-"""
+"""OpenAI-compatible routes: chat completions, completions (``gateway.serving``), and the model list."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi import APIRouter
 
-from gateway.api.deps import ClientAuth, RolloutScope, State
+from gateway.api.deps import ClientAuth, State
+from gateway.api.routing import add_serving_route
 from gateway.serving.chat import ChatServing
 from gateway.serving.completions import CompletionsServing
 
 router = APIRouter()
-
-
-@router.post("/v1/chat/completions", dependencies=[ClientAuth])
-@router.post("/rollouts/{rollout_id}/v1/chat/completions", dependencies=[ClientAuth])
-async def chat_completions(request: Request, state: State, rollout: RolloutScope) -> Response:
-    return await ChatServing(state).handle(request, rollout)
-
-
-@router.post("/v1/completions", dependencies=[ClientAuth])
-@router.post("/rollouts/{rollout_id}/v1/completions", dependencies=[ClientAuth])
-async def completions(request: Request, state: State, rollout: RolloutScope) -> Response:
-    return await CompletionsServing(state).handle(request, rollout)
+add_serving_route(router, "/v1/chat/completions", ChatServing, name="chat_completions")
+add_serving_route(router, "/v1/completions", CompletionsServing, name="completions")
 
 
 @router.get("/v1/models", dependencies=[ClientAuth])

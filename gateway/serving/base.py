@@ -20,9 +20,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from gateway.conversation import Message, ToolSpec
 from gateway.engines.base import SamplingParams
 from gateway.errors import APIError, BadRequest
-from gateway.job import Prepared, RolloutRef
+from gateway.job import ChatJob, Prepared, RolloutRef, ToolUse
 from gateway.protocol.base import ModelRequest
 from gateway.service import ChatService
 from gateway.serving.choices import Event, merge, prefetch
@@ -40,7 +41,6 @@ Other = TypeVar("Other", bound=ModelRequest)
 
 # --- translation helpers -------------------------------------------------------------------------------------
 def sampling(
-    *,
     max_tokens: int | None,
     temperature: float | None,
     top_p: float | None,
@@ -190,6 +190,41 @@ class ProtocolServing(ABC, Generic[Req]):
 
     @abstractmethod
     async def serve(self, req: Req, raw: dict[str, Any], rollout: RolloutRef) -> Response: ...
+
+    def job(
+        self,
+        req: Req,
+        raw: dict[str, Any],
+        rollout: RolloutRef,
+        *,
+        stream: bool,
+        request_id: str,
+        conversation: tuple[list[Message], list[ToolSpec]],
+        params: SamplingParams,
+        raw_messages: Any = None,
+        tool_use: ToolUse | None = None,
+        n: int = 1,
+        prompt_ids: list[int] | None = None,
+    ) -> ChatJob:
+        """The job of a request: what every protocol fills the same way, and the translation it passes."""
+        messages, tools = conversation
+        return ChatJob(
+            api=self.api,
+            model=req.model,
+            messages=messages,
+            tools=tools,
+            n=n,
+            params=params,
+            rollout=rollout,
+            raw_request=raw,
+            request_id=request_id,
+            raw_messages=raw_messages,
+            tool_use=tool_use or ToolUse(),
+            stream=stream,
+            # A token-level prompt (completions) is answered as plain text: no reasoning or tool-call parsing.
+            parse_output=prompt_ids is None,
+            prompt_ids=prompt_ids,
+        )
 
     async def stream(
         self, prep: Prepared, iterators: list[AsyncIterator[Event]], encoder: StreamEncoder

@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from gateway.conversation import Message, ToolCall, ToolSpec
 from gateway.errors import APIError
 from gateway.ids import new_id
-from gateway.job import ChatJob, ChoiceResult, Prepared, RolloutRef
+from gateway.job import ChoiceResult, Prepared, RolloutRef, ToolUse
 from gateway.parsers.base import ParsedOutput, ToolCallDelta
 from gateway.protocol.openai import ChatCompletionRequest, ChatMessage, ContentPart
 from gateway.service import ChatService
@@ -112,32 +112,16 @@ class ChatServing(ProtocolServing[ChatCompletionRequest]):
 
     async def serve(self, req: ChatCompletionRequest, raw: dict[str, Any], rollout: RolloutRef) -> Response:
         top = req.top_logprobs or 0
+        max_tokens = req.max_completion_tokens or req.max_tokens
         tool_choice = req.tool_choice
-        job = ChatJob(
-            api=self.api,
-            model=req.model,
-            messages=to_messages(req.messages),
-            tools=to_tools(req),
-            n=req.n,
-            params=sampling(
-                max_tokens=req.max_completion_tokens or req.max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                top_k=req.top_k,
-                seed=req.seed,
-                stop=req.stop,
-                top_logprobs=top,
-            ),
-            rollout=rollout,
-            raw_request=raw,
-            request_id=new_id("chatcmpl"),
-            raw_messages=raw.get("messages"),
-            parse_tool_calls=tool_choice != "none",
-            force_tool=tool_choice == "required" or isinstance(tool_choice, dict),
-            force_tool_name=tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None,
-            single_tool_call=req.parallel_tool_calls is False,
-            stream=req.stream,
-        )
+        forced_name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+        conversation = to_messages(req.messages), to_tools(req)
+        params = sampling(max_tokens, req.temperature, req.top_p, req.top_k, req.seed, req.stop, top_logprobs=top)
+        tool_use = ToolUse.openai(tool_choice, forced_name, req.parallel_tool_calls)
+        job = self.job(
+            req, raw, rollout, stream=req.stream, request_id=new_id("chatcmpl"), conversation=conversation,
+            params=params, raw_messages=raw.get("messages"), tool_use=tool_use, n=req.n,
+        )  # fmt: skip
         prep = await self.service.prepare(job)
         created = int(time.time())
         iterators = [self.service.run_choice(prep, i) for i in range(req.n)]

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 
 from gateway.errors import BadRequest
 from gateway.ids import new_id
-from gateway.job import ChatJob, ChoiceResult, Prepared, RolloutRef
+from gateway.job import ChoiceResult, Prepared, RolloutRef
 from gateway.protocol.openai import CompletionRequest
 from gateway.service import ChatService
 from gateway.serving.base import ProtocolServing, json_response, sampling, sse
@@ -48,6 +48,8 @@ class CompletionsServing(ProtocolServing[CompletionRequest]):
             raise BadRequest("streaming supports a single prompt", param="prompt")
         if req.echo and req.logprobs is not None:
             raise BadRequest("echo with logprobs is not supported (prompt logprobs are not computed)", param="echo")
+        max_tokens, top = req.max_tokens or DEFAULT_MAX_TOKENS, req.logprobs or 0
+        params = sampling(max_tokens, req.temperature, req.top_p, req.top_k, req.seed, req.stop, top_logprobs=top)
         created = int(time.time())
         request_id = new_id("cmpl")
         preps: list[Prepared] = []
@@ -55,28 +57,10 @@ class CompletionsServing(ProtocolServing[CompletionRequest]):
         for p in prompts:
             ids, echo = await self.service.raw_prompt(p, echo=req.echo, param="prompt")
             echoes.append(echo)
-            job = ChatJob(
-                api=self.api,
-                model=req.model,
-                messages=[],
-                tools=[],
-                n=req.n,
-                params=sampling(
-                    max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS,
-                    temperature=req.temperature,
-                    top_p=req.top_p,
-                    top_k=req.top_k,
-                    seed=req.seed,
-                    stop=req.stop,
-                    top_logprobs=req.logprobs or 0,
-                ),
-                rollout=rollout,
-                raw_request=raw,
-                request_id=request_id,
-                parse_output=False,
-                prompt_ids=ids,
-                stream=req.stream,
-            )
+            job = self.job(
+                req, raw, rollout, stream=req.stream, request_id=request_id, conversation=([], []), params=params,
+                n=req.n, prompt_ids=ids,
+            )  # fmt: skip
             preps.append(await self.service.prepare(job))
         if req.stream:
             prep = preps[0]

@@ -42,7 +42,7 @@ from fastapi.responses import Response
 from gateway.conversation import Message, ToolCall, ToolSpec
 from gateway.errors import APIError, BadRequest
 from gateway.ids import new_id
-from gateway.job import ChatJob, ChoiceDelta, ChoiceResult, Prepared, RolloutRef
+from gateway.job import ChoiceDelta, ChoiceResult, Prepared, RolloutRef, ToolUse
 from gateway.parsers.base import ParsedOutput, ToolCallDelta
 from gateway.protocol.anthropic import (
     ConversationFields,
@@ -51,6 +51,7 @@ from gateway.protocol.anthropic import (
     RedactedThinkingBlock,
     TextBlock,
     ThinkingBlock,
+    ToolChoice,
     ToolDef,
     ToolResultBlock,
     ToolUseBlock,
@@ -184,6 +185,19 @@ def _user(blocks: list[Any], tool_names: dict[str, str]) -> list[Message]:
     if texts or not out:
         out.append(Message(role="user", content="\n".join(texts)))
     return out
+
+
+def tool_use(choice: ToolChoice | None) -> ToolUse:
+    """tool_choice "any"/"tool" forces a call (its opening is appended to the prompt), disable_parallel_tool_use
+    stops the answer after its first call, "none" leaves tool-call syntax as text."""
+    if choice is None:
+        return ToolUse()
+    return ToolUse(
+        parse=choice.type != "none",
+        force=choice.type in ("any", "tool"),
+        name=choice.name if choice.type == "tool" else None,
+        single=bool(choice.disable_parallel_tool_use),
+    )
 
 
 def to_tools(tools: list[ToolDef] | None) -> list[ToolSpec]:
@@ -356,33 +370,13 @@ class MessagesServing(ProtocolServing[MessagesRequest]):
     request_model = MessagesRequest
 
     async def serve(self, req: MessagesRequest, raw: dict[str, Any], rollout: RolloutRef) -> Response:
-        # tool_choice "any"/"tool" forces a call (its opening is appended to the prompt), disable_parallel_tool_use
-        # stops the answer after its first call, "none" leaves tool-call syntax as text. The `thinking` config is
-        # accepted as a hint: whether the model reasons is up to the model and its template.
-        tool_choice = req.tool_choice
-        job = ChatJob(
-            api=self.api,
-            model=req.model,
-            messages=to_messages(req),
-            tools=to_tools(req.tools),
-            n=1,
-            params=sampling(
-                max_tokens=req.max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                top_k=req.top_k,
-                stop=req.stop_sequences,
-            ),
-            rollout=rollout,
-            raw_request=raw,
-            request_id=new_id("msg", sep="_"),
-            raw_messages=raw.get("messages"),
-            parse_tool_calls=tool_choice is None or tool_choice.type != "none",
-            force_tool=tool_choice is not None and tool_choice.type in ("any", "tool"),
-            force_tool_name=tool_choice.name if tool_choice is not None and tool_choice.type == "tool" else None,
-            single_tool_call=tool_choice is not None and bool(tool_choice.disable_parallel_tool_use),
-            stream=req.stream,
-        )
+        # The `thinking` config is accepted as a hint: whether the model reasons is up to the model and its template.
+        params = sampling(req.max_tokens, req.temperature, req.top_p, req.top_k, stop=req.stop_sequences)
+        job = self.job(
+            req, raw, rollout, stream=req.stream, request_id=new_id("msg", sep="_"),
+            conversation=(to_messages(req), to_tools(req.tools)), params=params, raw_messages=raw.get("messages"),
+            tool_use=tool_use(req.tool_choice),
+        )  # fmt: skip
         prep = await self.service.prepare(job)
         choices = [self.service.run_choice(prep, 0)]
         thinking_text = show_thinking(req)

@@ -30,7 +30,7 @@ from fastapi.responses import Response
 from gateway.conversation import Message, ToolCall, ToolSpec
 from gateway.errors import APIError, BadRequest, RateLimited
 from gateway.ids import new_id
-from gateway.job import ChatJob, ChoiceDelta, ChoiceResult, Prepared, RolloutRef
+from gateway.job import ChoiceDelta, ChoiceResult, Prepared, RolloutRef, ToolUse
 from gateway.parsers.base import ParsedOutput, ToolCallDelta
 from gateway.protocol.responses import (
     ContentPart,
@@ -383,25 +383,14 @@ class ResponsesServing(ProtocolServing[ResponsesRequest]):
         if not messages:
             raise BadRequest("input is empty", param="input")
         tool_choice = req.tool_choice
-        job = ChatJob(
-            api=self.api,
-            model=req.model,
-            messages=messages,
-            tools=to_tools(req.tools),
-            n=1,
-            params=sampling(
-                max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed
-            ),
-            rollout=rollout,
-            raw_request=raw,
-            request_id=_item_id("resp"),
-            raw_messages=raw.get("input"),
-            parse_tool_calls=tool_choice != "none",
-            force_tool=tool_choice == "required" or isinstance(tool_choice, dict),
-            force_tool_name=tool_choice.get("name") if isinstance(tool_choice, dict) else None,
-            single_tool_call=req.parallel_tool_calls is False,
-            stream=req.stream,
-        )
+        forced_name = tool_choice.get("name") if isinstance(tool_choice, dict) else None
+        params = sampling(req.max_output_tokens, req.temperature, req.top_p, seed=req.seed)
+        tool_use = ToolUse.openai(tool_choice, forced_name, req.parallel_tool_calls)
+        job = self.job(
+            req, raw, rollout, stream=req.stream, request_id=_item_id("resp"),
+            conversation=(messages, to_tools(req.tools)), params=params, raw_messages=raw.get("input"),
+            tool_use=tool_use,
+        )  # fmt: skip
         prep = await self.service.prepare(job)
         created_at = int(time.time())
         choices = [self.service.run_choice(prep, 0)]
