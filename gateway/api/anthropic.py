@@ -6,14 +6,18 @@ from fastapi import APIRouter, Request
 
 from gateway.api.deps import ClientAuth, State
 from gateway.api.routing import ROLLOUT_PREFIX, add_serving_route
+from gateway.protocol.anthropic import AnthropicError, MessageResponse, TokenCount
 from gateway.serving.messages import MessagesServing
 
 router = APIRouter()
-add_serving_route(router, "/v1/messages", MessagesServing, name="create_message")
+add_serving_route(
+    router, "/v1/messages", MessagesServing, name="create_message", response_model=MessageResponse,
+    error_model=AnthropicError,
+)  # fmt: skip
 
 
 @router.post("/v1/messages/count_tokens", dependencies=[ClientAuth])
 @router.post(ROLLOUT_PREFIX + "/v1/messages/count_tokens", dependencies=[ClientAuth])
-async def count_tokens(request: Request, state: State) -> dict[str, int]:
+async def count_tokens(request: Request, state: State) -> TokenCount:
     """The prompt length the same conversation would have in a fresh ``/v1/messages`` call."""
     return await MessagesServing(state).count_tokens(request)

@@ -2,38 +2,35 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter
 
 from gateway.api.deps import ClientAuth, State
-from gateway.api.routing import add_serving_route
+from gateway.api.routing import ROLLOUT_PREFIX, add_serving_route
+from gateway.protocol.base import ErrorResponse
+from gateway.protocol.openai import ChatCompletion, Completion, ModelCard, ModelList
 from gateway.serving.chat import ChatServing
 from gateway.serving.completions import CompletionsServing
 
 router = APIRouter()
-add_serving_route(router, "/v1/chat/completions", ChatServing, name="chat_completions")
-add_serving_route(router, "/v1/completions", CompletionsServing, name="completions")
+add_serving_route(
+    router, "/v1/chat/completions", ChatServing, name="chat_completions", response_model=ChatCompletion,
+    error_model=ErrorResponse,
+)  # fmt: skip
+add_serving_route(
+    router, "/v1/completions", CompletionsServing, name="completions", response_model=Completion,
+    error_model=ErrorResponse,
+)  # fmt: skip
 
 
 @router.get("/v1/models", dependencies=[ClientAuth])
-@router.get("/rollouts/{rollout_id}/v1/models", dependencies=[ClientAuth])
-async def list_models(state: State) -> dict[str, Any]:
+@router.get(ROLLOUT_PREFIX + "/v1/models", dependencies=[ClientAuth])
+async def list_models(state: State) -> ModelList:
     created = int(state.started_at)
-    data = [
-        {
-            "id": name,
-            "object": "model",
-            "created": created,
-            "owned_by": "clawgate",
-            "max_model_len": state.engine.max_model_len,
-        }
-        for name in sorted(state.model_names)
-    ]
-    return {"object": "list", "data": data}
+    max_len = state.engine.max_model_len
+    return ModelList(data=[ModelCard(id=n, created=created, max_model_len=max_len) for n in sorted(state.model_names)])
 
 
 @router.get("/v1/models/{model_id:path}", dependencies=[ClientAuth])
-async def get_model(model_id: str, state: State) -> dict[str, Any]:
+async def get_model(model_id: str, state: State) -> ModelCard:
     state.check_model(model_id)
-    return {"id": model_id, "object": "model", "created": int(state.started_at), "owned_by": "clawgate"}
+    return ModelCard(id=model_id, created=int(state.started_at))

@@ -7,11 +7,20 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from gateway.api.deps import ClientAuth, RolloutScope, State
 from gateway.serving.base import ProtocolServing
 
 ROLLOUT_PREFIX = "/rollouts/{rollout_id}"
+# The statuses a serving route answers with an error body (see gateway/errors.py).
+ERROR_STATUSES = (400, 401, 403, 404, 429, 502, 503, 504)
+
+
+def documented_responses(error_model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI responses of a serving route besides its JSON body: the event stream, and the errors."""
+    stream = {"content": {"text/event-stream": {"schema": {"type": "string"}}}}
+    return {200: stream, **{status: {"model": error_model} for status in ERROR_STATUSES}}
 
 
 def add_serving_route(
@@ -20,9 +29,10 @@ def add_serving_route(
     serving: type[ProtocolServing[Any]],
     *,
     name: str,
-    response_model: Any = None,
-    summary: str | None = None,
+    response_model: type[BaseModel],
+    error_model: type[BaseModel],
 ) -> None:
+    """The body is ``response_model``, or with ``stream: true`` Server-Sent Events; errors are ``error_model``."""
     async def route(request: Request, state: State, rollout: RolloutScope) -> Response:
         return await serving(state).handle(request, rollout)
 
@@ -34,6 +44,6 @@ def add_serving_route(
             methods=["POST"],
             dependencies=[ClientAuth],
             response_model=response_model,
-            summary=summary,
+            responses=documented_responses(error_model),
             name=name if not prefix else f"{name}_in_rollout",
         )

@@ -1,4 +1,5 @@
-"""Anthropic Messages API request models (`POST /v1/messages`, `POST /v1/messages/count_tokens`).
+"""Anthropic Messages API wire models (`POST /v1/messages`, `POST /v1/messages/count_tokens`): requests and whole
+responses (stream events are built per token as plain dicts, where a model costs more than it documents).
 
 Content blocks are a tagged union on ``type``. Block types the gateway translates (text, thinking, tool use,
 tool results) get their own model so a malformed one is a 400 naming the field; every other type (images,
@@ -14,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from gateway.protocol.base import ModelRequest, TolerantModel
+from gateway.protocol.base import ModelRequest, ResponseModel, TolerantModel
 
 
 class TextBlock(TolerantModel):
@@ -163,3 +164,58 @@ class MessagesRequest(ConversationFields):
 
 class CountTokensRequest(ConversationFields):
     pass
+
+
+# --- responses -----------------------------------------------------------------------------------------------
+
+
+class ThinkingOut(ResponseModel):
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str
+
+
+class TextOut(ResponseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ToolUseOut(ResponseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class MessageUsage(ResponseModel):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+
+
+class MessageResponse(ResponseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[Annotated[ThinkingOut | TextOut | ToolUseOut, Field(discriminator="type")]]
+    stop_reason: str
+    stop_sequence: str | None
+    usage: MessageUsage
+
+
+class TokenCount(ResponseModel):
+    input_tokens: int
+
+
+class AnthropicErrorDetail(ResponseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(ResponseModel):
+    """The Messages API's error shape."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail

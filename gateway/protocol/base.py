@@ -1,4 +1,5 @@
-"""Base class of every request model: tolerant of unknown fields, and says which ones it ignored.
+"""Base classes of the wire models: requests tolerant of unknown fields (and saying which ones they ignored),
+responses strict and documented.
 
 Harnesses send fields that no version of this gateway knows (`context_management`, `prompt_cache_key`, vendor
 extensions). Rejecting them would break a drop-in replacement; silently swallowing them hides bugs. So unknown
@@ -10,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 log = logging.getLogger("clawgate.protocol")
 
@@ -39,6 +40,32 @@ class ModelRequest(TolerantModel):
     model: str
 
 
-def dump(model: BaseModel) -> dict[str, Any]:
-    """A response model as JSON-ready dict, without fields left unset to None by extensions."""
-    return model.model_dump(exclude_none=True)
+class ResponseModel(BaseModel):
+    """Base of every response model: serialized with ``model_dump_json`` and documented in the OpenAPI schema.
+
+    Unknown fields are refused: a response is built by the gateway, so an extra key is a bug in the translation.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+def omitted() -> Any:
+    """A field left out of the JSON while it is None (the protocols leave some keys out rather than send null)."""
+    return Field(default=None, exclude_if=_is_none)
+
+
+class ErrorDetail(ResponseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(ResponseModel):
+    """The one error shape of the OpenAI-style APIs."""
+
+    error: ErrorDetail

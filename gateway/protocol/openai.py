@@ -1,7 +1,6 @@
-"""OpenAI chat-completions and completions request models.
+"""OpenAI chat-completions and completions wire models: requests, whole responses and the model list.
 
-Only requests are pydantic models: responses are built as plain dicts on the hot path (a streamed chunk per
-token must cost microseconds, not a model validation).
+Stream chunks are not models: one is built per token, and a model per chunk costs more than it documents.
 """
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from gateway.protocol.base import ModelRequest, TolerantModel
+from gateway.protocol.base import ModelRequest, ResponseModel, TolerantModel, omitted
 
 
 class ContentPart(TolerantModel):
@@ -137,3 +136,99 @@ class CompletionRequest(SamplingFields):
         if p and isinstance(p[0], int):
             return [list(p)]
         return list(p)  # type: ignore[arg-type]
+
+
+# --- responses -----------------------------------------------------------------------------------------------
+
+
+class Usage(ResponseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(ResponseModel):
+    content: list[TokenLogprob]
+
+
+class FunctionCallOut(ResponseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class AssistantMessage(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    reasoning_content: str | None = omitted()
+    tool_calls: list[ToolCallOut] | None = omitted()
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletion(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionLogprobs(ResponseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: CompletionLogprobs | None = None
+    # vLLM extension (return_token_ids).
+    prompt_token_ids: list[int] | None = omitted()
+    token_ids: list[int] | None = omitted()
+
+
+class Completion(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "clawgate"
+    max_model_len: int | None = omitted()
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

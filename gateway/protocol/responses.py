@@ -1,8 +1,9 @@
-"""OpenAI Responses API wire format: request models, output items, and the reasoning round-trip codec.
+"""OpenAI Responses API wire format: request models, output items, the Response object, and the reasoning
+round-trip codec.
 
-Request models accept every documented input item and tool type (and tolerate unknown ones); the route decides
+Request models accept every documented input item and tool type (and tolerate unknown ones); the serving decides
 what the model can act on. Output items are plain dicts built by small functions, shared by the streaming and
-the non-streaming paths so both describe an answer identically.
+the non-streaming paths so both describe an answer identically; the Response object around them is a model.
 
 Reasoning round trip: harnesses that send ``store: false`` (Codex, OpenClaw) cannot continue a response by id, so
 they send our earlier output items back, and they keep a reasoning item only as its ``encrypted_content``. We have
@@ -20,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from gateway.protocol.base import ModelRequest, TolerantModel
+from gateway.protocol.base import ModelRequest, ResponseModel, TolerantModel, omitted
 
 # --- request ---------------------------------------------------------------------------------------------------
 
@@ -276,6 +277,89 @@ def usage(input_tokens: int, output_tokens: int, reasoning_tokens: int) -> dict[
     }
 
 
+# --- response models -----------------------------------------------------------------------------------------
+# The Response object is a model (documented in the OpenAPI schema, serialized with ``model_dump_json``); its
+# output items are built as dicts by the functions above, because the stream sends them one event at a time, and
+# validated into the item models once per Response object.
+
+
+class ReasoningText(ResponseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningOut(ResponseModel):
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[SummaryPart] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: str
+    encrypted_content: str | None = omitted()
+
+
+class OutputText(ResponseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class MessageOut(ResponseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: str
+    content: list[OutputText]
+
+
+class FunctionCallItemOut(ResponseModel):
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: str
+
+
+OutputItem = Annotated[ReasoningOut | MessageOut | FunctionCallItemOut, Field(discriminator="type")]
+
+
+class ResponseUsage(ResponseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(ResponseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: str
+    background: bool = False
+    error: dict[str, Any] | None
+    incomplete_details: dict[str, str] | None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[OutputItem]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    prompt_cache_key: str | None
+    reasoning: dict[str, Any]
+    store: bool
+    temperature: float
+    text: dict[str, Any]
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    top_p: float
+    truncation: str
+    usage: ResponseUsage | None
+    user: str | None
+    metadata: dict[str, Any]
+
+
 def response_object(
     req: ResponsesRequest,
     *,
@@ -286,34 +370,34 @@ def response_object(
     usage: dict[str, Any] | None = None,
     error: dict[str, Any] | None = None,
     incomplete_reason: str | None = None,
-) -> dict[str, Any]:
+) -> ResponseObject:
     """A Response object, echoing the request's settings as the API does."""
-    return {
-        "id": response_id,
-        "object": "response",
-        "created_at": created_at,
-        "status": status,
-        "background": False,
-        "error": error,
-        "incomplete_details": None if incomplete_reason is None else {"reason": incomplete_reason},
-        "instructions": req.instructions,
-        "max_output_tokens": req.max_output_tokens,
-        "model": req.model,
-        "output": output,
-        "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
-        "previous_response_id": req.previous_response_id,
-        "prompt_cache_key": req.prompt_cache_key,
-        # reasoning.effort and text.verbosity are hints the model cannot be made to follow: accepted (harnesses send
-        # them on every call) but not echoed as if applied.
-        "reasoning": {"effort": None, "summary": req.reasoning.summary if req.reasoning else None},
-        "store": req.stored,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "text": {"format": {"type": "text"}},
-        "tool_choice": req.tool_choice or "auto",
-        "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "truncation": req.truncation or "disabled",
-        "usage": usage,
-        "user": req.user,
-        "metadata": req.metadata or {},
-    }
+    return ResponseObject.model_validate(
+        {
+            "id": response_id,
+            "created_at": created_at,
+            "status": status,
+            "error": error,
+            "incomplete_details": None if incomplete_reason is None else {"reason": incomplete_reason},
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": req.model,
+            "output": output,
+            "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id,
+            "prompt_cache_key": req.prompt_cache_key,
+            # reasoning.effort and text.verbosity are hints the model cannot be made to follow: accepted (harnesses
+            # send them on every call) but not echoed as if applied.
+            "reasoning": {"effort": None, "summary": req.reasoning.summary if req.reasoning else None},
+            "store": req.stored,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": req.tool_choice or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "truncation": req.truncation or "disabled",
+            "usage": usage,
+            "user": req.user,
+            "metadata": req.metadata or {},
+        }
+    )

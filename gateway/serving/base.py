@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any, Generic, Protocol, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from gateway.conversation import Message, ToolSpec
@@ -118,15 +118,9 @@ async def json_body(request: Request) -> dict[str, Any]:
     return value
 
 
-def json_response(body: BaseModel | dict[str, Any], *preps: Prepared) -> Response:
+def json_response(body: BaseModel, *preps: Prepared) -> Response:
     """A whole response, with the headers naming its calls."""
-    if isinstance(body, dict):
-        return JSONResponse(body, headers=call_headers(*preps))
-    # exclude_none would drop the nulls the protocols spell out (logprobs, stop_sequence ...): fields a protocol
-    # omits when empty are left unset by the translation instead.
-    return Response(
-        body.model_dump_json(exclude_unset=True), media_type="application/json", headers=call_headers(*preps)
-    )
+    return Response(body.model_dump_json(), media_type="application/json", headers=call_headers(*preps))
 
 
 # --- streams -------------------------------------------------------------------------------------------------

@@ -18,8 +18,19 @@ from gateway.conversation import Message, ToolCall, ToolSpec
 from gateway.errors import APIError
 from gateway.ids import new_id
 from gateway.job import ChoiceResult, Prepared, RolloutRef, ToolUse
-from gateway.parsers.base import ParsedOutput, ToolCallDelta
-from gateway.protocol.openai import ChatCompletionRequest, ChatMessage, ContentPart
+from gateway.parsers.base import ParsedToolCall, ToolCallDelta
+from gateway.protocol.openai import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChatMessage,
+    ChoiceLogprobs,
+    ContentPart,
+    FunctionCallOut,
+    ToolCallOut,
+    Usage,
+)
 from gateway.service import ChatService
 from gateway.serving.base import MEDIA_PARTS, ProtocolServing, StreamEncoder, flatten_text, json_response, sampling, sse
 from gateway.serving.choices import Event, collect_all
@@ -71,15 +82,9 @@ def tool_call_id(call_id: str, index: int) -> str:
     return f"call_{call_id[-12:]}{index}"
 
 
-def _tool_call_dicts(output: ParsedOutput, call_id: str) -> list[dict[str, Any]]:
-    return [
-        {
-            "id": tool_call_id(call_id, tc.index),
-            "type": "function",
-            "function": {"name": tc.name, "arguments": tc.arguments},
-        }
-        for tc in output.tool_calls
-    ]
+def _tool_call(call_id: str, tc: ParsedToolCall) -> ToolCallOut:
+    function = FunctionCallOut(name=tc.name, arguments=tc.arguments)
+    return ToolCallOut(id=tool_call_id(call_id, tc.index), function=function)
 
 
 async def token_logprobs(
@@ -132,33 +137,25 @@ class ChatServing(ProtocolServing[ChatCompletionRequest]):
 
     async def _completion(
         self, req: ChatCompletionRequest, prep: Prepared, results: list[ChoiceResult], created: int
-    ) -> dict[str, Any]:
+    ) -> ChatCompletion:
         choices = []
         for r in results:
-            message: dict[str, Any] = {"role": "assistant", "content": r.output.content}
-            if r.output.reasoning is not None:
-                message["reasoning_content"] = r.output.reasoning
-            if r.output.tool_calls:
-                message["tool_calls"] = _tool_call_dicts(r.output, r.call_id)
-            choice: dict[str, Any] = {
-                "index": r.index,
-                "message": message,
-                "finish_reason": r.finish_reason,
-                "logprobs": None,
-            }
+            calls = [_tool_call(r.call_id, tc) for tc in r.output.tool_calls]
+            message = AssistantMessage(
+                content=r.output.content, reasoning_content=r.output.reasoning, tool_calls=calls or None
+            )
+            logprobs = None
             if req.logprobs:
-                choice["logprobs"] = {
-                    "content": await token_logprobs(self.service, r.token_ids, r.logprobs, r.top_logprobs)
-                }
-            choices.append(choice)
-        return {
-            "id": prep.request_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": req.model,
-            "choices": choices,
-            "usage": usage(len(prep.prompt_ids), sum(len(r.token_ids) for r in results)),
-        }
+                content = await token_logprobs(self.service, r.token_ids, r.logprobs, r.top_logprobs)
+                logprobs = ChoiceLogprobs.model_validate({"content": content})
+            choices.append(ChatChoice(index=r.index, message=message, finish_reason=r.finish_reason, logprobs=logprobs))
+        return ChatCompletion(
+            id=prep.request_id,
+            created=created,
+            model=req.model,
+            choices=choices,
+            usage=Usage(**usage(len(prep.prompt_ids), sum(len(r.token_ids) for r in results))),
+        )
 
 
 class OpenAIStream(StreamEncoder):

@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from gateway.errors import BadRequest
 from gateway.ids import new_id
 from gateway.job import ChoiceResult, Prepared, RolloutRef
-from gateway.protocol.openai import CompletionRequest
+from gateway.protocol.openai import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Usage
 from gateway.service import ChatService
 from gateway.serving.base import ProtocolServing, json_response, sampling, sse
 from gateway.serving.chat import OpenAIStream, usage
@@ -66,7 +66,7 @@ class CompletionsServing(ProtocolServing[CompletionRequest]):
             prep = preps[0]
             iterators = [self.service.run_choice(prep, i) for i in range(req.n)]
             return await self.stream(prep, iterators, TextStream(self.service, prep, req, created, echoes[0]))
-        choices: list[dict[str, Any]] = []
+        choices: list[CompletionChoice] = []
         prompt_tokens = completion_tokens = 0
         for pi, prep in enumerate(preps):
             results = await collect_all([self.service.run_choice(prep, i) for i in range(req.n)])
@@ -74,31 +74,30 @@ class CompletionsServing(ProtocolServing[CompletionRequest]):
                 choices.append(await self._choice(req, prep, pi * req.n + r.index, echoes[pi], r))
                 completion_tokens += len(r.token_ids)
             prompt_tokens += len(prep.prompt_ids)
-        body = {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": req.model,
-            "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens),
-        }
+        body = Completion(
+            id=request_id,
+            created=created,
+            model=req.model,
+            choices=choices,
+            usage=Usage(**usage(prompt_tokens, completion_tokens)),
+        )
         return json_response(body, *preps)
 
     async def _choice(
         self, req: CompletionRequest, prep: Prepared, index: int, echo: str, r: ChoiceResult
-    ) -> dict[str, Any]:
-        choice: dict[str, Any] = {
-            "index": index,
-            "text": echo + (r.output.content or ""),
-            "finish_reason": r.finish_reason,
-            "logprobs": None,
-        }
+    ) -> CompletionChoice:
+        logprobs = None
         if req.logprobs is not None:
-            choice["logprobs"] = await completion_logprobs(self.service, r.token_ids, r.logprobs, r.top_logprobs)
-        if req.return_token_ids:
-            choice["prompt_token_ids"] = prep.prompt_ids
-            choice["token_ids"] = r.token_ids
-        return choice
+            lps = await completion_logprobs(self.service, r.token_ids, r.logprobs, r.top_logprobs)
+            logprobs = CompletionLogprobs.model_validate(lps)
+        return CompletionChoice(
+            index=index,
+            text=echo + (r.output.content or ""),
+            finish_reason=r.finish_reason,
+            logprobs=logprobs,
+            prompt_token_ids=prep.prompt_ids if req.return_token_ids else None,
+            token_ids=r.token_ids if req.return_token_ids else None,
+        )
 
 
 class TextStream(OpenAIStream):

@@ -47,14 +47,20 @@ from gateway.parsers.base import ParsedOutput, ToolCallDelta
 from gateway.protocol.anthropic import (
     ConversationFields,
     CountTokensRequest,
+    MessageResponse,
     MessagesRequest,
+    MessageUsage,
     RedactedThinkingBlock,
     TextBlock,
+    TextOut,
     ThinkingBlock,
+    ThinkingOut,
+    TokenCount,
     ToolChoice,
     ToolDef,
     ToolResultBlock,
     ToolUseBlock,
+    ToolUseOut,
 )
 from gateway.serving.base import ProtocolServing, StreamEncoder, json_response, sampling, sse
 from gateway.serving.blocks import REASONING, TEXT, BlockStream
@@ -239,22 +245,15 @@ def stop_reason(result: ChoiceResult) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-def content_blocks(output: ParsedOutput, call_id: str, thinking_text: bool) -> list[dict[str, Any]]:
-    blocks: list[dict[str, Any]] = []
+def content_blocks(output: ParsedOutput, call_id: str, thinking_text: bool) -> list[ThinkingOut | TextOut | ToolUseOut]:
+    blocks: list[ThinkingOut | TextOut | ToolUseOut] = []
     if output.reasoning is not None:
-        blocks.append(
-            {
-                "type": "thinking",
-                "thinking": output.reasoning if thinking_text else "",
-                "signature": thinking_signature(call_id),
-            }
-        )
+        thinking = output.reasoning if thinking_text else ""
+        blocks.append(ThinkingOut(thinking=thinking, signature=thinking_signature(call_id)))
     if output.content:
-        blocks.append({"type": "text", "text": output.content})
+        blocks.append(TextOut(text=output.content))
     for tc in output.tool_calls:
-        blocks.append(
-            {"type": "tool_use", "id": tool_use_id(call_id, tc.index), "name": tc.name, "input": _input(tc.arguments)}
-        )
+        blocks.append(ToolUseOut(id=tool_use_id(call_id, tc.index), name=tc.name, input=_input(tc.arguments)))
     return blocks
 
 
@@ -384,21 +383,19 @@ class MessagesServing(ProtocolServing[MessagesRequest]):
             return await self.stream(prep, choices, MessageStream(prep, req.model, thinking_text))
         [result] = await collect_all(choices)
         reason, sequence = stop_reason(result)
-        body = {
-            "id": prep.request_id,
-            "type": "message",
-            "role": "assistant",
-            "model": req.model,
-            "content": content_blocks(result.output, result.call_id, thinking_text),
-            "stop_reason": reason,
-            "stop_sequence": sequence,
-            "usage": usage(prep, len(result.token_ids)),
-        }
+        body = MessageResponse(
+            id=prep.request_id,
+            model=req.model,
+            content=content_blocks(result.output, result.call_id, thinking_text),
+            stop_reason=reason,
+            stop_sequence=sequence,
+            usage=MessageUsage(**usage(prep, len(result.token_ids))),
+        )
         return json_response(body, prep)
 
-    async def count_tokens(self, request: Request) -> dict[str, int]:
+    async def count_tokens(self, request: Request) -> TokenCount:
         """The prompt length the same conversation would have in a fresh ``/v1/messages`` call."""
         _, req = await self.parse(request, CountTokensRequest)
         messages, tools = to_messages(req, final_assistant_ok=True), to_tools(req.tools)
         ids = await asyncio.to_thread(self.state.renderer.render_fresh, messages, tools)
-        return {"input_tokens": len(ids)}
+        return TokenCount(input_tokens=len(ids))

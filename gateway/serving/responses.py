@@ -276,7 +276,7 @@ class OutputItems(BlockStream, StreamEncoder):
             status=status,
             output=list(self.output),
             **fields,
-        )
+        ).model_dump()
 
     async def encode(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
         snapshot = self.response("in_progress")
