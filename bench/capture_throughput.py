@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gateway.store import db  # noqa: E402
-from gateway.store.writer import CallRecord, CallWriter, RolloutRecord  # noqa: E402
+from gateway.store.records import CallRecord, RolloutRecord  # noqa: E402
+from gateway.store.writer import CallWriter  # noqa: E402
 
 
 def records(calls: int, turns: int, prompt: int, completion: int) -> list[CallRecord]:

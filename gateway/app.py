@@ -39,7 +39,8 @@ from gateway.sessions import SessionIndex
 from gateway.settings import Settings
 from gateway.state import AppState
 from gateway.store import db
-from gateway.store.writer import CallWriter, is_transient
+from gateway.store.errors import is_transient
+from gateway.store.writer import CallWriter
 
 log = logging.getLogger("clawgate")
 

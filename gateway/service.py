@@ -38,8 +38,10 @@ from gateway.render import Renderer
 from gateway.sessions import CallEntry, PromptPlan, SessionIndex, plan_prompt
 from gateway.stops import StopTrimmer
 from gateway.store import codec, repo
+from gateway.store.errors import CaptureFull
 from gateway.store.models import Call, Rollout
-from gateway.store.writer import CallRecord, CallWriter, RewardRecord, RolloutRecord
+from gateway.store.records import CallRecord, RewardRecord, RolloutRecord
+from gateway.store.writer import CallWriter
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -454,9 +456,9 @@ class ChatService:
             )
         try:
             self.writer.reserve(slots)
-        except EngineUnavailable:
+        except CaptureFull as full:
             self.metrics.refused.labels("capture_queue").inc()
-            raise
+            raise EngineUnavailable(full.message, code=full.code, retry_after=full.retry_after) from full
 
     def _rule_possible(self, prep: Prepared) -> bool:
         return bool(self.tool_error_reward) and prep.plan.parent is not None

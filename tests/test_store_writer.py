@@ -21,17 +21,17 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from gateway.errors import EngineUnavailable
 from gateway.store import codec, db, repo
+from gateway.store.errors import CAPTURE_RETRY_AFTER_S, CaptureFull
 from gateway.store.models import Call, Reward, Rollout
-from gateway.store.writer import (
+from gateway.store.records import (
     CallRecord,
-    CallWriter,
     RewardRecord,
     RolloutRecord,
     record_from_json,
     record_to_json,
 )
+from gateway.store.writer import CallWriter
 from tests import pg
 
 T0 = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
@@ -261,9 +261,9 @@ async def test_full_queue_sheds_load(outage: Outage, tmp_path: Path) -> None:
         for i in range(10):
             writer.submit(make_call(f"c{i}", "r1", seq=i))  # in flight or queued: all count until committed
         await wait_until(lambda: writer.stats.retries >= 1)
-        with pytest.raises(EngineUnavailable, match="capture queue full") as raised:
+        with pytest.raises(CaptureFull, match="capture queue full") as raised:
             writer.submit(make_call("c10", "r1", seq=10))
-        assert raised.value.status_code == 503
+        assert raised.value.code == "capture_queue_full" and raised.value.retry_after == CAPTURE_RETRY_AFTER_S
         assert writer.stats.queued == 10
 
         outage.restore()
@@ -303,7 +303,7 @@ async def test_close_during_outage_spools_and_next_writer_replays_once(outage: O
     pending = sorted(spool.glob("pending-*.jsonl"))
     assert len(pending) == 1
     assert len(pending[0].read_text().splitlines()) == len(records) == writer.stats.spooled
-    with pytest.raises(EngineUnavailable):
+    with pytest.raises(CaptureFull):
         writer.submit(make_call("late", "r1"))  # a closed writer refuses rather than dropping
 
     # A restart while the database is still down: the file is replayed, fails, and is re-spooled as one file.
