@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import __version__, rollouts
+from gateway import __version__
 from gateway.api import anthropic as anthropic_api
 from gateway.api import openai as openai_api
 from gateway.api import responses as responses_api
@@ -39,7 +39,7 @@ from gateway.service import ChatService
 from gateway.sessions import SessionIndex
 from gateway.settings import Settings
 from gateway.state import AppState
-from gateway.store import db
+from gateway.store import db, rollouts
 from gateway.store.errors import is_transient
 from gateway.store.writer import CallWriter
 

@@ -285,8 +285,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Rollouts with their calls, rewards and trees as JSON lines."""
     import json
 
-    from gateway import rollouts
-    from gateway.store import db
+    from gateway.store import db, rollouts
     from trainer.data import load_rollout, rollout_ids
 
     engine = db.make_engine(_db_url(args))

@@ -9,6 +9,7 @@
 - ``errors``: ``CaptureFull`` and which database errors are transient.
 - ``writer``: ``CallWriter``, the non-blocking, batching, never-losing capture writer.
 - ``repo``: reads, including a call's full prompt and request rebuilt from parent deltas.
+- ``rollouts``: the rollout lifecycle (create, reward, finish, list, inspect) and rollout keys.
 """
 
 from gateway.store.db import current_revision, downgrade, head_revision, make_engine, normalize_url, upgrade
