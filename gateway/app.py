@@ -117,7 +117,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
                 settings.port,
             )
         metrics = Metrics()
-        store = db.make_engine(settings.database_url)
+        store = db.connect(settings.database_url)
         writer = CallWriter(
             store,
             spool_dir=settings.data_dir / "spool",

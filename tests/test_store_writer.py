@@ -119,7 +119,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 @pytest.fixture
 def engine(db_url: str) -> Iterator[sa.Engine]:
-    engine = db.make_engine(db_url, busy_timeout_ms=50)
+    engine = db.connect(db_url, busy_timeout_ms=50)
     yield engine
     engine.dispose()
 
@@ -202,7 +202,7 @@ async def test_concurrent_submissions_are_written_exactly_once(writer: CallWrite
 
 
 async def test_outage_is_retried_until_the_database_is_back(outage: Outage, tmp_path: Path) -> None:
-    engine = db.make_engine(outage.url, busy_timeout_ms=20)
+    engine = db.connect(outage.url, busy_timeout_ms=20)
     writer = fast_writer(engine, tmp_path / "spool")
     await writer.start()
     try:
@@ -225,7 +225,7 @@ async def test_outage_is_retried_until_the_database_is_back(outage: Outage, tmp_
 async def test_a_durable_wait_commits_at_once_and_stops_waiting_while_degraded(outage: Outage, tmp_path: Path) -> None:
     """A call waiting for its commit does not wait for the batch interval; once a commit has failed, calls stop
     waiting (the circuit breaker) until a commit succeeds again."""
-    engine = db.make_engine(outage.url, busy_timeout_ms=20)
+    engine = db.connect(outage.url, busy_timeout_ms=20)
     writer = CallWriter(engine, tmp_path / "spool", flush_interval=30, initial_backoff=0.01, max_backoff=0.05)
     await writer.start()
     try:
@@ -254,7 +254,7 @@ async def test_a_durable_wait_commits_at_once_and_stops_waiting_while_degraded(o
 
 
 async def test_full_queue_sheds_load(outage: Outage, tmp_path: Path) -> None:
-    engine = db.make_engine(outage.url, busy_timeout_ms=20)
+    engine = db.connect(outage.url, busy_timeout_ms=20)
     writer = fast_writer(engine, tmp_path / "spool", max_queue=10, batch_size=4)
     await writer.start()
     try:
@@ -278,7 +278,7 @@ async def test_full_queue_sheds_load(outage: Outage, tmp_path: Path) -> None:
 
 async def test_close_during_outage_spools_and_next_writer_replays_once(outage: Outage, tmp_path: Path) -> None:
     spool = tmp_path / "spool"
-    engine = db.make_engine(outage.url, busy_timeout_ms=20)
+    engine = db.connect(outage.url, busy_timeout_ms=20)
     writer = fast_writer(engine, spool)
     await writer.start()
     records: list[CallRecord | RolloutRecord | RewardRecord] = [
@@ -307,7 +307,7 @@ async def test_close_during_outage_spools_and_next_writer_replays_once(outage: O
         writer.submit(make_call("late", "r1"))  # a closed writer refuses rather than dropping
 
     # A restart while the database is still down: the file is replayed, fails, and is re-spooled as one file.
-    engine = db.make_engine(outage.url, busy_timeout_ms=20)
+    engine = db.connect(outage.url, busy_timeout_ms=20)
     interim = fast_writer(engine, spool)
     await interim.start()
     await wait_until(lambda: interim.stats.retries >= 1)
@@ -320,7 +320,7 @@ async def test_close_during_outage_spools_and_next_writer_replays_once(outage: O
     outage.restore()
     replayed = []
     for attempt in range(2):  # a second start must find nothing left to replay
-        engine = db.make_engine(outage.url)
+        engine = db.connect(outage.url)
         second = fast_writer(engine, spool)
         if attempt == 0:
             # Submitted before start(): still written after the spooled rows, so its parent exists by then.

@@ -12,7 +12,7 @@
 - ``rollouts``: the rollout lifecycle (create, reward, finish, list, inspect) and rollout keys.
 """
 
-from gateway.store.db import current_revision, downgrade, head_revision, make_engine, normalize_url, upgrade
+from gateway.store.db import connect, current_revision, downgrade, head_revision, normalize_url, upgrade
 from gateway.store.models import Base, Call, PolicyVersion, Reward, Rollout
 from gateway.store.records import CallRecord, RewardRecord, RolloutRecord
 from gateway.store.repo import (
@@ -39,6 +39,7 @@ __all__ = [
     "RolloutRecord",
     "WriterStats",
     "calls_for_rollout",
+    "connect",
     "current_revision",
     "downgrade",
     "full_prompt_array",
@@ -47,7 +48,6 @@ __all__ = [
     "get_call",
     "head_revision",
     "latest_call_by_tail_hash",
-    "make_engine",
     "normalize_url",
     "upgrade",
 ]
