@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gateway.store import db  # noqa: E402
-from gateway.store.writer import CallRecord, CallWriter, RolloutRecord  # noqa: E402
+from gateway.store.records import CallRecord, RolloutRecord  # noqa: E402
+from gateway.store.writer import CallWriter  # noqa: E402
 
 
 def records(calls: int, turns: int, prompt: int, completion: int) -> list[CallRecord]:
@@ -62,7 +63,7 @@ def records(calls: int, turns: int, prompt: int, completion: int) -> list[CallRe
 
 
 async def measure(url: str, spool: Path, batch: list[CallRecord]) -> float:
-    engine = db.make_engine(url)
+    engine = db.connect(url)
     writer = CallWriter(engine, spool, max_queue=len(batch) + 1)
     await writer.start()
     t0 = time.perf_counter()
@@ -93,7 +94,7 @@ def main() -> int:
         work = Path(tmp)
         targets = [("sqlite", f"sqlite:///{work / 'capture.db'}")]
         name = f"capture_bench_{uuid.uuid4().hex[:8]}"
-        admin = db.make_engine(args.postgres, isolation_level="AUTOCOMMIT")
+        admin = db.connect(args.postgres, isolation_level="AUTOCOMMIT")
         try:
             with admin.connect() as conn:
                 conn.execute(sa.text(f'CREATE DATABASE "{name}"'))

@@ -69,7 +69,7 @@ def run(model: Path, work: Path, *, engine_kind: str, vllm_url: str | None, poll
                         data_dir=work / f"data-{tag}", max_tokens=4, policy_poll_interval=poll,
                         engine=engine_kind, vllm_url=vllm_url or "http://127.0.0.1:1", vllm_model="tiny")
     gw = Gateway(settings)
-    store = db.make_engine(url)
+    store = db.connect(url)
     policy = lora.new_policy(lora.load_base(str(model)), lora.LoraSettings())
     stop = threading.Event()
 

@@ -92,7 +92,7 @@ def measure(
     )
     try:
         assert server.stdout is not None and "judge server on" in server.stdout.readline()
-        engine = db.make_engine(url)
+        engine = db.connect(url)
         judge = Judge("openai/bench-judge", api_base=f"http://127.0.0.1:{port}/v1", api_key="bench", timeout=30)
         worker = RewardWorker(
             engine,

@@ -111,7 +111,7 @@ def run(model: Path, *, steps: int, lr: float, seed: int, prompts: int, group: i
                         data_dir=workdir / f"data-{seed}-{lr}", admin_key=ADMIN, max_tokens=max_tokens,
                         policy_follow=True, policy_poll_interval=3600)
     gw = Gateway(settings)
-    engine = db.make_engine(url)
+    engine = db.connect(url)
     try:
         tokenizer = gw.app.state.clawgate.tokenizer
         special = set(tokenizer.all_special_ids)

@@ -167,7 +167,7 @@ class User:
 
 def scores_by_version(url: str, source: str) -> dict[int, list[float]]:
     """The reward of each served turn (one source) by the policy version that served it."""
-    engine = db.make_engine(url)
+    engine = db.connect(url)
     try:
         with engine.connect() as conn:
             rows = conn.execute(

@@ -20,12 +20,13 @@ from pydantic import ValidationError
 from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import __version__, rollouts
+from gateway import __version__
 from gateway.api import anthropic as anthropic_api
 from gateway.api import openai as openai_api
 from gateway.api import responses as responses_api
 from gateway.api import rollouts as rollouts_api
 from gateway.api import system as system_api
+from gateway.end_of_turn import end_token_ids, generation_eos_ids
 from gateway.engines.base import Engine
 from gateway.errors import APIError, BadRequest, EngineUnavailable
 from gateway.faults import Fault, describe
@@ -38,8 +39,9 @@ from gateway.service import ChatService
 from gateway.sessions import SessionIndex
 from gateway.settings import Settings
 from gateway.state import AppState
-from gateway.store import db
-from gateway.store.writer import CallWriter, is_transient
+from gateway.store import db, rollouts
+from gateway.store.errors import is_transient
+from gateway.store.writer import CallWriter
 
 log = logging.getLogger("clawgate")
 
@@ -57,8 +59,7 @@ def make_engine(settings: Settings, tokenizer: Any) -> Engine:
         return LocalEngine(settings.model, dtype=settings.local_dtype)
     from gateway.engines.vllm import VLLMEngine
 
-    end_ids = {tokenizer.eos_token_id, *Renderer.end_of_turn_token_ids(tokenizer), *generation_eos_ids(settings.model)}
-    end_ids.discard(None)
+    end_ids = end_token_ids(tokenizer, generation_eos_ids(settings.model))
     return VLLMEngine(
         settings.vllm_url,
         model=settings.vllm_model or settings.model,
@@ -85,19 +86,6 @@ async def close_idle_sessions(store: Any, writer: CallWriter, service: ChatServi
         if closed:
             service.close_rollouts(closed)
             log.info("closed %d idle session rollout(s)", len(closed))
-
-
-def generation_eos_ids(model: str) -> list[int]:
-    """The model's own end-of-generation ids (generation_config.json), which the tokenizer may not name."""
-    from transformers import GenerationConfig
-
-    try:
-        eos = GenerationConfig.from_pretrained(model).eos_token_id
-    except OSError:
-        return []
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else list(eos)
 
 
 def redact_url(url: str) -> str:
@@ -129,7 +117,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
                 settings.port,
             )
         metrics = Metrics()
-        store = db.make_engine(settings.database_url)
+        store = db.connect(settings.database_url)
         writer = CallWriter(
             store,
             spool_dir=settings.data_dir / "spool",

@@ -264,7 +264,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
     from gateway.store import db
     from trainer.data import load_rollout
 
-    engine = db.make_engine(_db_url(args))
+    engine = db.connect(_db_url(args))
     try:
         data = load_rollout(engine, args.rollout_id, _tree_config(args))
     finally:
@@ -285,11 +285,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Rollouts with their calls, rewards and trees as JSON lines."""
     import json
 
-    from gateway import rollouts
-    from gateway.store import db
+    from gateway.store import db, rollouts
     from trainer.data import load_rollout, rollout_ids
 
-    engine = db.make_engine(_db_url(args))
+    engine = db.connect(_db_url(args))
     out = open(args.out, "w", encoding="utf-8") if args.out != "-" else sys.stdout  # noqa: SIM115
     try:
         ids = rollout_ids(engine, status=args.status, limit=args.limit)
@@ -465,7 +464,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = train_config(settings, once=args.once)
     if args.once and args.train_min_rollouts is not None:
         config.min_rollouts = args.train_min_rollouts
-    engine = db.make_engine(settings.database_url)
+    engine = db.connect(settings.database_url)
     lock = TrainerLock(config.adapter_dir)
     try:
         lock.acquire()
@@ -597,7 +596,7 @@ def cmd_turns(args: argparse.Namespace) -> int:
     from gateway.store import db
     from rewards.report import turn_rows
 
-    engine = db.make_engine(_db_url(args))
+    engine = db.connect(_db_url(args))
     try:
         rows = turn_rows(engine, rollout_id=args.rollout_id, limit=args.limit)
     finally:

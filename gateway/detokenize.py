@@ -21,7 +21,7 @@ valid UTF-8 at all.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 _REPLACEMENT = "\ufffd"
@@ -36,7 +36,11 @@ class TokenDecoder(Protocol):
 class IncrementalDetokenizer:
     """Turns a completion's token ids, as they arrive, into text deltas; one instance per completion."""
 
-    def __init__(self, tokenizer: TokenDecoder, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: TokenDecoder, skip_special_tokens: bool = True, context_ids: Sequence[int] = ()
+    ) -> None:
+        """``context_ids`` are decoded in front of the completion but never returned (a few prompt ids, so that the
+        first completion token decodes as it does mid-text)."""
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         # transformers' decode is the Rust decode plus optional space clean-up and ~4 µs of Python per call;
@@ -47,15 +51,16 @@ class IncrementalDetokenizer:
             if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
             else None
         )
-        self._ids: list[int] = []
+        self._ids: list[int] = list(context_ids)
+        self._context = len(self._ids)
         self._prefix_offset = 0  # window start: ids[prefix:read] are context, already emitted
-        self._read_offset = 0  # ids before this are emitted
-        self._prefix_len = 0  # len(decode(ids[prefix:read]))
+        self._read_offset = self._context  # ids before this are emitted
+        self._prefix_len = len(self._decode(self._ids)) if self._ids else 0  # len(decode(ids[prefix:read]))
         self._finished = False
 
     @property
     def token_ids(self) -> list[int]:
-        return self._ids
+        return self._ids[self._context :]
 
     def add(self, token_ids: list[int]) -> str:
         """Append ids; return the text they complete (possibly empty while a character is incomplete)."""

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from gateway.conversation import Message, ToolSpec
+from gateway.end_of_turn import end_of_turn_tokens
 from gateway.errors import BadRequest
 
 if TYPE_CHECKING:
@@ -52,22 +53,7 @@ class Renderer:
         self._template_kwargs: dict[str, Any] = dict(tokenizer.special_tokens_map)
         # The Rust tokenizer directly: the Python wrapper costs more than the encoding of a short suffix.
         self._fast = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
-        self.end_of_turn_ids = self._end_of_turn_ids(tokenizer)
-
-    @classmethod
-    def end_of_turn_token_ids(cls, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-        return list(cls._end_of_turn_ids(tokenizer))
-
-    @staticmethod
-    def _end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> dict[int, str]:
-        ids: dict[int, str] = {}
-        for tok in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
-            tid = tokenizer.convert_tokens_to_ids(tok)
-            if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
-                ids[tid] = tok
-        if tokenizer.eos_token_id is not None and tokenizer.eos_token:
-            ids.setdefault(tokenizer.eos_token_id, tokenizer.eos_token)
-        return ids
+        self.end_of_turn_ids = end_of_turn_tokens(tokenizer)
 
     def encode(self, text: str) -> list[int]:
         if self._fast is not None:

@@ -25,8 +25,6 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
-from sqlalchemy import select
-from sqlalchemy.orm import Session
 
 from gateway.conversation import Message, ToolCall, exact_hash, extend_hash, output_hash
 from gateway.detokenize import IncrementalDetokenizer
@@ -42,9 +40,10 @@ from gateway.parsers.plain import PlainText
 from gateway.render import Renderer
 from gateway.sessions import CallEntry, PromptPlan, SessionIndex, plan_prompt
 from gateway.stops import StopTrimmer
-from gateway.store import codec, repo
-from gateway.store.models import Call, Rollout
-from gateway.store.writer import CallRecord, CallWriter, RewardRecord, RolloutRecord
+from gateway.store import repo
+from gateway.store.errors import CaptureFull
+from gateway.store.records import CallRecord, RewardRecord, RolloutRecord
+from gateway.store.writer import CallWriter
 from gateway.tokens import Alternatives, prompt_ids, token_texts
 from gateway.tool_choice import ToolChoice
 
@@ -195,32 +194,20 @@ class ChatService:
         """The call that ended the conversation ``tail``, from the database (runs in a worker thread)."""
         if self.db is None:
             return None
-        with Session(self.db) as session:
-            query = (
-                select(Call)
-                .join(Rollout, Rollout.id == Call.rollout_id)
-                .where(Call.tail_hash == tail.hex(), Call.status == "ok")
-            )
-            query = (
-                query.where(Call.rollout_id == scope) if scope is not None else query.where(Rollout.kind == "implicit")
-            )
-            call = session.scalars(query.order_by(Call.started_at.desc()).limit(1)).first()
-            if call is None:
-                return None
-            if scope is None and session.get(Rollout, call.rollout_id).status != "open":  # type: ignore[union-attr]
-                self.closed_rollouts.add(call.rollout_id)
-            cache = repo.CallCache(session)
-            completion = codec.unpack_ids(call.completion_ids)
-            raw_messages = cache.messages(call)
-            entry = CallEntry(
-                call_id=call.id,
-                rollout_id=call.rollout_id,
-                token_ids=repo.full_prompt_ids(cache, call) + completion,
-                ends_with_end_of_turn=self.renderer.ends_with_end_of_turn(completion),
-                exact_hashes=[exact_hash(m) for m in raw_messages],
-                explicit=scope is not None,
-            )
-        log.info("continuing call %s found in the database", call.id)
+        call = repo.continued_call(self.db, tail.hex(), scope)
+        if call is None:
+            return None
+        if scope is None and not call.rollout_open:
+            self.closed_rollouts.add(call.rollout_id)
+        entry = CallEntry(
+            call_id=call.call_id,
+            rollout_id=call.rollout_id,
+            token_ids=call.token_ids,
+            ends_with_end_of_turn=self.renderer.ends_with_end_of_turn(call.completion_ids),
+            exact_hashes=[exact_hash(m) for m in call.messages],
+            explicit=scope is not None,
+        )
+        log.info("continuing call %s found in the database", call.call_id)
         self.index.add(scope, tail, b"", entry)
         return entry
 
@@ -347,9 +334,9 @@ class ChatService:
             )
         try:
             self.writer.reserve(slots)
-        except EngineUnavailable:
+        except CaptureFull as full:
             self.metrics.refused.labels("capture_queue").inc()
-            raise
+            raise EngineUnavailable(full.message, code=full.code, retry_after=full.retry_after) from full
 
     def _rule_possible(self, prep: Prepared) -> bool:
         return bool(self.tool_error_reward) and prep.plan.parent is not None

@@ -396,7 +396,7 @@ def build_worker(settings: Any) -> tuple[RewardWorker, sa.Engine]:
     )
     from rewards.turns import tokenizer_decode
 
-    engine = db.make_engine(settings.database_url)
+    engine = db.connect(settings.database_url)
     return RewardWorker(engine, tokenizer_decode(tokenizer), judge=judge, functions=functions, config=config), engine
 
 

@@ -65,8 +65,9 @@ def _executables(pairs: list[str]) -> dict[str, str]:
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
+    from runner.client import RunAborted
     from runner.harnesses import detect_all, make_harness
-    from runner.run import RunAborted, RunConfig, Runner
+    from runner.run import RunConfig, Runner
     from runner.sandbox import SandboxError, SandboxFactory
     from runner.tasks import TaskFileError, load_tasks, select
 

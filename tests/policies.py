@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from sqlalchemy.orm import Session
 
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 from gateway.store.models import PolicyVersion
 from trainer import lora
 
@@ -30,7 +30,7 @@ def publish(
     path = lora.save_version(policy, adapter_dir, lora.Manifest(version=version, base_model=str(model_dir)))
     if broken:
         (path / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
-    engine = make_engine(database_url)
+    engine = connect(database_url)
     try:
         with Session(engine) as session, session.begin():
             session.add(

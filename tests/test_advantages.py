@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from gateway.rollouts import default_group
+from gateway.store.rollouts import default_group
 from trainer.advantages import (
     SINGLETON,
     ZERO_VARIANCE,

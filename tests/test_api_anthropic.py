@@ -18,7 +18,7 @@ from gateway.conversation import Message, ToolCall, normalized
 from gateway.protocol.anthropic import MessagesRequest
 from gateway.serving.messages import to_messages
 from gateway.store import codec
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 from tests.conftest import LiveGateway
 from tests.fakes import ScriptedEngine
 from tests.test_tito import assert_chain, drift_count, stored_calls
@@ -41,7 +41,7 @@ TOOLS = [
 
 def rows(gw: LiveGateway, where: str) -> list[dict[str, Any]]:
     gw.flush()
-    engine = make_engine(gw.settings.database_url)
+    engine = connect(gw.settings.database_url)
     with engine.connect() as conn:
         found = conn.execute(sa.text(f"SELECT * FROM calls WHERE {where} ORDER BY started_at")).mappings().all()
     engine.dispose()

@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 
 from gateway.store import codec
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
 TOOLS = [
@@ -34,7 +34,7 @@ def client(shared_gateway):
 
 def calls(gw, where: str = "1=1") -> list[dict]:
     gw.flush()
-    engine = make_engine(gw.settings.database_url)
+    engine = connect(gw.settings.database_url)
     with engine.connect() as conn:
         rows = conn.execute(sa.text(f"SELECT * FROM calls WHERE {where} ORDER BY started_at")).mappings().all()
     engine.dispose()

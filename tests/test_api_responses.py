@@ -22,7 +22,7 @@ from gateway.conversation import Message, ToolCall, normalized
 from gateway.protocol.responses import ResponsesRequest, decode_reasoning, encode_reasoning
 from gateway.serving.responses import to_messages
 from gateway.store import codec
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 from tests.fakes import ScriptedEngine, SlowEngine
 from tests.test_tito import assert_chain, drift_count, stored_calls
 
@@ -63,7 +63,7 @@ def client(shared_gateway):
 
 def call_row(gw, call_id: str) -> dict[str, Any]:
     gw.flush()
-    engine = make_engine(gw.settings.database_url)
+    engine = connect(gw.settings.database_url)
     with engine.connect() as conn:
         row = conn.execute(sa.text("SELECT * FROM calls WHERE id = :id"), {"id": call_id}).mappings().one()
     engine.dispose()

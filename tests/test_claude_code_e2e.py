@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 from tests.fakes import ScriptedEngine
 from tests.missing import missing
 
@@ -87,7 +87,7 @@ def run_claude(exe: Path, base_url: str, tmp_path: Path) -> tuple[subprocess.Com
 
 def captured(gw: Any) -> list[dict[str, Any]]:
     gw.flush()
-    engine = make_engine(gw.settings.database_url)
+    engine = connect(gw.settings.database_url)
     with engine.connect() as conn:
         found = conn.execute(sa.text("SELECT * FROM calls ORDER BY started_at")).mappings().all()
     engine.dispose()

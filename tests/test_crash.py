@@ -52,7 +52,7 @@ def start_gateway(tmp: Path, model: Path, url: str, port: int, **settings: str) 
 
 
 def calls_of(url: str, rollout_id: str) -> list[sa.Row]:
-    engine = db.make_engine(url)
+    engine = db.connect(url)
     with engine.connect() as conn:
         rows = conn.execute(
             sa.text("SELECT id, status, parent_call_id FROM calls WHERE rollout_id = :r ORDER BY started_at"),
@@ -82,7 +82,7 @@ def test_a_call_served_just_before_a_kill(tmp_path, tiny_model_dir, durable):
         gw.proc.wait(30)
     finally:
         gw.stop()
-    engine = db.make_engine(url)
+    engine = db.connect(url)
     with engine.connect() as conn:
         stored = conn.execute(sa.text("SELECT count(*) FROM calls WHERE status = 'ok'")).scalar()
     engine.dispose()
@@ -134,7 +134,7 @@ def test_sigterm_under_load_finishes_the_streams_and_drains_the_writer(tmp_path,
     finally:
         gw.stop()
     assert len(results) == streams and all(done for _, done, _ in results), results
-    engine = db.make_engine(url)
+    engine = db.connect(url)
     with engine.connect() as conn:
         rows = conn.execute(sa.text("SELECT id, status FROM calls")).all()
     engine.dispose()

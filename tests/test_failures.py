@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from gateway.errors import EngineUnavailable
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 from tests.fakes import ScriptedEngine, SlowEngine
 
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -21,7 +21,7 @@ MESSAGES = [{"role": "user", "content": "hello"}]
 
 def rows(gw, rollout: str) -> list[dict]:
     gw.flush()
-    engine = make_engine(gw.settings.database_url)
+    engine = connect(gw.settings.database_url)
     with engine.connect() as conn:
         out = conn.execute(sa.text("SELECT * FROM calls WHERE rollout_id = :r ORDER BY started_at"), {"r": rollout})
         result = [dict(r) for r in out.mappings()]
@@ -159,7 +159,7 @@ def test_calls_over_the_concurrency_limit_are_refused_before_the_engine(gateway_
     assert 'clawgate_calls_refused_total{reason="concurrency"} 3.0' in metrics
     assert httpx.post(gw.v1 + "/chat/completions", json=body, timeout=30).status_code == 200  # room again
     gw.flush()
-    store = make_engine(gw.settings.database_url)
+    store = connect(gw.settings.database_url)
     with store.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM calls")).scalar() == 3, "refused calls are not recorded"
     store.dispose()

@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 
 from gateway.store import codec
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 
 pytestmark = pytest.mark.postgres
 
@@ -45,7 +45,7 @@ def test_calls_rollouts_and_rewards_on_postgres(gateway_factory, postgres_url):
         full = prev["prompt_token_ids"] + prev["completion_token_ids"]
         assert cur["prompt_token_ids"][: len(full)] == full
     assert detail["reward"] == 1.0
-    engine = make_engine(postgres_url)
+    engine = connect(postgres_url)
     with engine.connect() as conn:
         row = conn.execute(
             sa.text(

@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from gateway.store import codec, repo
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 from gateway.store.models import Call
 
 pytestmark = pytest.mark.vllm
@@ -27,7 +27,7 @@ def gw(gateway_factory, vllm_server):
 
 def stored(gw, where: str, params: dict | None = None):
     gw.flush()
-    engine = make_engine(gw.settings.database_url)
+    engine = connect(gw.settings.database_url)
     with sa.orm.Session(engine) as session:
         calls = session.scalars(
             sa.select(Call).where(sa.text(where)).params(**(params or {})).order_by(Call.started_at)

@@ -27,7 +27,7 @@ TABLES = {
 
 
 def _schema_diff(url: str) -> list[object]:
-    engine = db.make_engine(url)
+    engine = db.connect(url)
     try:
         with engine.connect() as connection:
             context = MigrationContext.configure(connection, opts={"compare_type": True})
@@ -37,7 +37,7 @@ def _schema_diff(url: str) -> list[object]:
 
 
 def _tables(url: str) -> set[str]:
-    engine = db.make_engine(url)
+    engine = db.connect(url)
     try:
         return set(sa.inspect(engine).get_table_names())
     finally:
@@ -99,7 +99,7 @@ def test_normalize_url() -> None:
 def test_sqlite_engine_settings(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'clawgate.db'}"
     db.upgrade(url)
-    engine = db.make_engine(url, busy_timeout_ms=1234)
+    engine = db.connect(url, busy_timeout_ms=1234)
     try:
         with engine.connect() as connection:
             pragma = connection.exec_driver_sql

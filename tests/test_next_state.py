@@ -21,7 +21,7 @@ from gateway.protocol.responses import ResponsesRequest
 from gateway.serving import chat as chat_serving
 from gateway.serving import messages as messages_serving
 from gateway.serving import responses as responses_serving
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 from gateway.store.models import Call, Reward
 from tests.fakes import ScriptedEngine
 
@@ -108,7 +108,7 @@ TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type":
 
 
 def _calls(url: str) -> list[Call]:
-    engine = make_engine(url)
+    engine = connect(url)
     try:
         with Session(engine) as session:
             return list(session.scalars(sa.select(Call).order_by(Call.started_at)))
@@ -117,7 +117,7 @@ def _calls(url: str) -> list[Call]:
 
 
 def _rewards(url: str) -> list[Reward]:
-    engine = make_engine(url)
+    engine = connect(url)
     try:
         with Session(engine) as session:
             return list(session.scalars(sa.select(Reward).order_by(Reward.id)))

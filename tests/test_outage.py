@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 from tests.fakes import ScriptedEngine
 from tests.tcp_proxy import TcpProxy
 
@@ -103,7 +103,7 @@ def test_a_database_outage_slows_nothing_floods_nothing_and_loses_nothing(
     assert health["capture"]["recovered_at"] and health["capture"]["last_error"], "what happened stays readable"
     assert any("recovered after" in r.getMessage() for r in caplog.records)
     gw.flush()
-    store = make_engine(postgres_url)
+    store = connect(postgres_url)
     try:
         with store.connect() as conn:
             ids = [row[0] for row in conn.execute(sa.text("SELECT id FROM calls"))]
@@ -137,7 +137,7 @@ def test_a_shutdown_during_an_outage_spools_quietly_and_the_next_start_replays_o
     assert list((data / "spool").glob("pending-*.jsonl")), "the uncommitted calls are on disk"
     proxy.restore()
     gateway_factory(engine=ScriptedEngine(tiny_tokenizer), tokenizer=tiny_tokenizer, database_url=url, data_dir=data)
-    store = make_engine(postgres_url)
+    store = connect(postgres_url)
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -208,7 +208,7 @@ def test_a_full_capture_queue_refuses_calls_before_generating_and_writes_answer_
     served.append(call(gw, engine, 99)[1])  # room again
     assert httpx.post(f"{gw.v1}/rollouts/{rollout}/reward", json={"value": 1}, timeout=30).status_code == 201
     gw.flush()
-    store = make_engine(postgres_url)
+    store = connect(postgres_url)
     try:
         with store.connect() as conn:
             ids = [row[0] for row in conn.execute(sa.text("SELECT id FROM calls"))]

@@ -9,7 +9,7 @@ import time
 import httpx
 import sqlalchemy as sa
 
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 from tests.fakes import SlowEngine
 from tests.policies import publish
 
@@ -39,7 +39,7 @@ def served_versions(gw, response: httpx.Response) -> list[tuple[str | None, int 
 
 
 def db_versions(url: str) -> dict[int, tuple[str, bool, bool]]:
-    engine = make_engine(url)
+    engine = connect(url)
     with engine.connect() as conn:
         rows = conn.execute(sa.text("SELECT version, status, is_current, current_at FROM policy_versions")).all()
     engine.dispose()

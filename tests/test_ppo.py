@@ -27,7 +27,7 @@ import sqlalchemy as sa
 import torch
 from safetensors.torch import load_file
 
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 from tests.conftest import module_gateway
 from trainer import lora, ppo
 from trainer.advantages import gae
@@ -394,7 +394,7 @@ def engines() -> Iterator[list[sa.Engine]]:
 
 def test_ppo_trainer_step_publishes_the_value_head_and_resumes_with_it(store, tiny_model_dir, tmp_path, engines):
     cfg = trainer_config(store, tiny_model_dir, tmp_path, algorithm="ppo", lam=0.9)
-    engines.append(engine := make_engine(cfg.database_url))
+    engines.append(engine := connect(cfg.database_url))
     trainer = Trainer(cfg, engine)
     assert trainer.critic is not None and (cfg.adapter_dir / "policy@v0" / ppo.VALUE_HEAD).exists()
     loaded = [load_rollout(engine, rid, cfg.tree) for rid in ready_rollouts(engine, 0, 10)]
@@ -436,7 +436,7 @@ def test_unknown_algorithm_is_refused():
 def test_trainer_options_change_lora_weights_only(store, tiny_model_dir, tmp_path, engines, option, algorithm):
     overrides: dict[str, Any] = {"dtype": "bfloat16"} if option == "bfloat16" else {"gradient_checkpointing": True}
     cfg = trainer_config(store, tiny_model_dir, tmp_path, algorithm=algorithm, **overrides)
-    engines.append(engine := make_engine(cfg.database_url))
+    engines.append(engine := connect(cfg.database_url))
     trainer = Trainer(cfg, engine)
     model = trainer.policy.base_model.model
     base = lora.base_parameters(trainer.policy)

@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 from gateway.store.models import Judgement, Reward
 from rewards import claims
 from rewards.functions import RewardFunctionError, interpret, load
@@ -46,7 +46,7 @@ def conversations(gw: Any, engine: ScriptedEngine, n: int) -> list[tuple[str, st
         second, _ = chat(gw, engine, messages, f"Part two of task {i} is done.")
         out.append((first, second, ""))
     gw.flush()
-    db = make_engine(gw.settings.database_url)
+    db = connect(gw.settings.database_url)
     try:
         with Session(db) as session:
             from gateway.store.models import Call
@@ -91,7 +91,7 @@ def score_by_reply(messages: list[dict[str, Any]]) -> str:
 def setup(gateway_factory, tiny_tokenizer, store_url):
     engine = ScriptedEngine(tiny_tokenizer)
     gw = gateway_factory(engine=engine, tokenizer=tiny_tokenizer, admin_key="adm", database_url=store_url)
-    db = make_engine(store_url)
+    db = connect(store_url)
     yield gw, engine, db
     db.dispose()
 

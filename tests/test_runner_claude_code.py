@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 from runner.harnesses import make_harness
 from runner.run import RunConfig, Runner
 from runner.sandbox import SandboxFactory
@@ -87,7 +87,7 @@ def test_mixed_harness_batch_is_normalized_per_task_and_harness(
     assert [(r.kind, r.reward) for r in claude.results] == [("rewarded", 0.0)] * 2, claude.results
     assert all(r.calls >= 1 for r in claude.results)
 
-    db = make_engine(gw.settings.database_url)
+    db = connect(gw.settings.database_url)
     try:
         loaded = {r.rollout_id: load_rollout(db, r.rollout_id) for r in [*builtin.results, *claude.results]}
     finally:

@@ -15,8 +15,10 @@ import httpx
 import pytest
 
 from gateway.cli import main as clawgate
+from runner.client import RunAborted
 from runner.harnesses import make_harness
-from runner.run import RunAborted, RunConfig, Runner, RunReport
+from runner.report import RunReport
+from runner.run import RunConfig, Runner
 from runner.sandbox import SandboxFactory
 from tests.conftest import LiveGateway, free_port, module_gateway
 from tests.runner_support import make_tasks, require_bwrap, task_file

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import sqlalchemy as sa
 
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 
 
 def test_ten_turn_rollout_storage_is_linear_in_unique_tokens(shared_gateway):
@@ -16,7 +16,7 @@ def test_ten_turn_rollout_storage_is_linear_in_unique_tokens(shared_gateway):
         messages.append({"role": "assistant", "content": resp.choices[0].message.content or ""})
         messages.append({"role": "user", "content": f"Observation {turn}: " + "data " * 15})
     shared_gateway.flush()
-    engine = make_engine(shared_gateway.settings.database_url)
+    engine = connect(shared_gateway.settings.database_url)
     with engine.connect() as conn:
         rows = (
             conn.execute(

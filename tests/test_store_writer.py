@@ -21,17 +21,17 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from gateway.errors import EngineUnavailable
 from gateway.store import codec, db, repo
+from gateway.store.errors import CAPTURE_RETRY_AFTER_S, CaptureFull
 from gateway.store.models import Call, Reward, Rollout
-from gateway.store.writer import (
+from gateway.store.records import (
     CallRecord,
-    CallWriter,
     RewardRecord,
     RolloutRecord,
     record_from_json,
     record_to_json,
 )
+from gateway.store.writer import CallWriter
 from tests import pg
 
 T0 = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
@@ -119,7 +119,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 @pytest.fixture
 def engine(db_url: str) -> Iterator[sa.Engine]:
-    engine = db.make_engine(db_url, busy_timeout_ms=50)
+    engine = db.connect(db_url, busy_timeout_ms=50)
     yield engine
     engine.dispose()
 
@@ -202,7 +202,7 @@ async def test_concurrent_submissions_are_written_exactly_once(writer: CallWrite
 
 
 async def test_outage_is_retried_until_the_database_is_back(outage: Outage, tmp_path: Path) -> None:
-    engine = db.make_engine(outage.url, busy_timeout_ms=20)
+    engine = db.connect(outage.url, busy_timeout_ms=20)
     writer = fast_writer(engine, tmp_path / "spool")
     await writer.start()
     try:
@@ -225,7 +225,7 @@ async def test_outage_is_retried_until_the_database_is_back(outage: Outage, tmp_
 async def test_a_durable_wait_commits_at_once_and_stops_waiting_while_degraded(outage: Outage, tmp_path: Path) -> None:
     """A call waiting for its commit does not wait for the batch interval; once a commit has failed, calls stop
     waiting (the circuit breaker) until a commit succeeds again."""
-    engine = db.make_engine(outage.url, busy_timeout_ms=20)
+    engine = db.connect(outage.url, busy_timeout_ms=20)
     writer = CallWriter(engine, tmp_path / "spool", flush_interval=30, initial_backoff=0.01, max_backoff=0.05)
     await writer.start()
     try:
@@ -254,16 +254,16 @@ async def test_a_durable_wait_commits_at_once_and_stops_waiting_while_degraded(o
 
 
 async def test_full_queue_sheds_load(outage: Outage, tmp_path: Path) -> None:
-    engine = db.make_engine(outage.url, busy_timeout_ms=20)
+    engine = db.connect(outage.url, busy_timeout_ms=20)
     writer = fast_writer(engine, tmp_path / "spool", max_queue=10, batch_size=4)
     await writer.start()
     try:
         for i in range(10):
             writer.submit(make_call(f"c{i}", "r1", seq=i))  # in flight or queued: all count until committed
         await wait_until(lambda: writer.stats.retries >= 1)
-        with pytest.raises(EngineUnavailable, match="capture queue full") as raised:
+        with pytest.raises(CaptureFull, match="capture queue full") as raised:
             writer.submit(make_call("c10", "r1", seq=10))
-        assert raised.value.status_code == 503
+        assert raised.value.code == "capture_queue_full" and raised.value.retry_after == CAPTURE_RETRY_AFTER_S
         assert writer.stats.queued == 10
 
         outage.restore()
@@ -278,7 +278,7 @@ async def test_full_queue_sheds_load(outage: Outage, tmp_path: Path) -> None:
 
 async def test_close_during_outage_spools_and_next_writer_replays_once(outage: Outage, tmp_path: Path) -> None:
     spool = tmp_path / "spool"
-    engine = db.make_engine(outage.url, busy_timeout_ms=20)
+    engine = db.connect(outage.url, busy_timeout_ms=20)
     writer = fast_writer(engine, spool)
     await writer.start()
     records: list[CallRecord | RolloutRecord | RewardRecord] = [
@@ -303,11 +303,11 @@ async def test_close_during_outage_spools_and_next_writer_replays_once(outage: O
     pending = sorted(spool.glob("pending-*.jsonl"))
     assert len(pending) == 1
     assert len(pending[0].read_text().splitlines()) == len(records) == writer.stats.spooled
-    with pytest.raises(EngineUnavailable):
+    with pytest.raises(CaptureFull):
         writer.submit(make_call("late", "r1"))  # a closed writer refuses rather than dropping
 
     # A restart while the database is still down: the file is replayed, fails, and is re-spooled as one file.
-    engine = db.make_engine(outage.url, busy_timeout_ms=20)
+    engine = db.connect(outage.url, busy_timeout_ms=20)
     interim = fast_writer(engine, spool)
     await interim.start()
     await wait_until(lambda: interim.stats.retries >= 1)
@@ -320,7 +320,7 @@ async def test_close_during_outage_spools_and_next_writer_replays_once(outage: O
     outage.restore()
     replayed = []
     for attempt in range(2):  # a second start must find nothing left to replay
-        engine = db.make_engine(outage.url)
+        engine = db.connect(outage.url)
         second = fast_writer(engine, spool)
         if attempt == 0:
             # Submitted before start(): still written after the spooled rows, so its parent exists by then.

@@ -10,7 +10,7 @@ import openai
 import sqlalchemy as sa
 
 from gateway.store import codec, repo
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 from tests.fakes import ScriptedEngine
 
 TOOLS = [
@@ -30,7 +30,7 @@ TOOLS = [
 
 def stored_calls(gw, rollout_id: str):
     gw.flush()
-    engine = make_engine(gw.settings.database_url)
+    engine = connect(gw.settings.database_url)
     with sa.orm.Session(engine) as session:
         rows = repo.calls_for_rollout(session, rollout_id)
         out = [(r, repo.full_prompt_ids(session, r), codec.unpack_ids(r.completion_ids)) for r in rows]

@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from gateway.store import codec
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 from tests.fakes import ScriptedEngine
 
 TOOLS = [
@@ -23,7 +23,7 @@ USER = [{"role": "user", "content": "list the files"}]
 
 def stored_calls(gw, rollout: str) -> list[dict]:
     gw.flush()
-    engine = make_engine(gw.settings.database_url)
+    engine = connect(gw.settings.database_url)
     with engine.connect() as conn:
         query = sa.text("SELECT * FROM calls WHERE rollout_id = :r ORDER BY started_at")
         rows = [dict(r) for r in conn.execute(query, {"r": rollout}).mappings()]

@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from safetensors.torch import load_file
 
 from gateway.cli import main
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 
 ADMIN = {"Authorization": "Bearer adm"}
 
@@ -57,7 +57,7 @@ def test_train_once_consumes_ready_rollouts_exactly_once(gateway_factory, tiny_m
     assert v0.keys() == v1.keys()
     assert any(not (v0[k] == v1[k]).all() for k in v0), "the step changed the LoRA weights"
     assert all((v0[k] == 0).all() for k in v0 if "lora_B" in k), "v0 is the zero adapter"
-    engine = make_engine(url)
+    engine = connect(url)
     with engine.connect() as conn:
         trained = dict(conn.execute(sa.text("SELECT rollout_id, advantage FROM trained_rollouts")).all())
         step = conn.execute(

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 from tests.policies import publish
 from tests.test_train_step import ADMIN, rollout
 from trainer import lora
@@ -91,7 +91,7 @@ class Daemon:
 
 
 def consumed(url: str) -> list[tuple[str, int]]:
-    engine = make_engine(url)
+    engine = connect(url)
     with engine.connect() as conn:
         rows = conn.execute(sa.text("SELECT rollout_id, version FROM trained_rollouts ORDER BY version")).all()
     engine.dispose()
@@ -99,7 +99,7 @@ def consumed(url: str) -> list[tuple[str, int]]:
 
 
 def recorded_versions(url: str) -> list[int]:
-    engine = make_engine(url)
+    engine = connect(url)
     with engine.connect() as conn:
         rows = conn.execute(sa.text("SELECT version FROM policy_versions ORDER BY version")).all()
     engine.dispose()
@@ -171,7 +171,7 @@ def test_recover_moves_an_unrecorded_version_aside(gateway_factory, tiny_model_d
     gw = gateway_factory(admin_key="adm", policy_follow=False)
     url, adapters = gw.settings.database_url, tmp_path / "adapters"
     ids = [rollout(gw, "A", 1.0), rollout(gw, "A", 0.0)]
-    db = make_engine(url)
+    db = connect(url)
     try:
         config = TrainConfig(model=str(tiny_model_dir), database_url=url, adapter_dir=adapters, lr=0.01)
         trainer = Trainer(config, db)  # publishes v0
@@ -221,7 +221,7 @@ def test_step_leaves_out_eval_stale_and_waiting_rollouts(gateway_factory, tiny_m
     httpx.post(f"{gw.url}/v1/rollouts/{evaluation['id']}/finish", json={"status": "completed"}, headers=ADMIN)
     pair = [rollout(gw, "A", 1.0), rollout(gw, "A", 0.0)]
     lonely = rollout(gw, "B", 1.0)
-    db = make_engine(url)
+    db = connect(url)
     try:
         config = TrainConfig(
             model=str(tiny_model_dir), database_url=url, adapter_dir=adapters, lr=0.01, group_wait=3600

@@ -15,7 +15,7 @@ import torch
 from sqlalchemy.orm import Session
 
 from gateway.store import turns
-from gateway.store.db import make_engine
+from gateway.store.db import connect
 from gateway.store.models import Call, Judgement, TrainedTurn
 from tests.fakes import ScriptedEngine
 from tests.test_trainer_daemon import Daemon, recorded_versions, train_cmd
@@ -126,7 +126,7 @@ def ready(db: sa.Engine, await_judge: bool = False) -> set[str]:
 def scripted(gateway_factory, tiny_tokenizer, store_url):
     engine = ScriptedEngine(tiny_tokenizer)
     gw = gateway_factory(engine=engine, tokenizer=tiny_tokenizer, admin_key="adm", database_url=store_url)
-    db = make_engine(store_url)
+    db = connect(store_url)
     yield gw, engine, db
     db.dispose()
 
@@ -203,7 +203,7 @@ def test_task_runs_are_not_turns(scripted):
 
 # --- the trainer on turns ----------------------------------------------------------------------------------------
 def trained_turns(url: str) -> dict[str, tuple[int, float | None, float | None]]:
-    db = make_engine(url)
+    db = connect(url)
     try:
         with Session(db) as session:
             return {t.call_id: (t.version, t.reward, t.advantage) for t in session.scalars(sa.select(TrainedTurn))}
@@ -222,7 +222,7 @@ def test_turns_are_trained_once_across_trainer_restarts(gateway_factory, tiny_mo
     for i, (first, second, _) in enumerate(calls):
         feedback(gw, first, float(i))  # 0, 1, 2: variance within the batch
         feedback(gw, second, 5.0)  # no next state yet: not ready
-    db = make_engine(url)
+    db = connect(url)
     trainer = Trainer(config(tiny_model_dir, url, adapters), db)
     result = trainer.step()
     assert result is not None and result.turns == 3 and result.trained_turns == 3 and result.rollouts == 0
@@ -263,7 +263,7 @@ def test_turns_without_variance_are_consumed_untrained_and_reported(gateway_fact
     firsts = [two_turns(gw, None, i)[0] for i in range(2)]
     for call in firsts:
         feedback(gw, call, 1.0)
-    db = make_engine(url)
+    db = connect(url)
     result = Trainer(config(tiny_model_dir, url, adapters), db).step()
     db.dispose()
     assert result is not None and result.trained_turns == 0 and result.turns == 2
@@ -278,7 +278,7 @@ def test_the_critic_trains_turns_too(gateway_factory, tiny_model_dir, tmp_path):
     firsts = [two_turns(gw, None, i)[0] for i in range(2)]
     feedback(gw, firsts[0], 1.0)
     feedback(gw, firsts[1], 1.0)  # no variance: the batch baseline would skip them, the critic trains them
-    db = make_engine(url)
+    db = connect(url)
     trainer = Trainer(config(tiny_model_dir, url, adapters, advantage="critic"), db)
     assert trainer.config.algorithm == "ppo"
     result = trainer.step()
@@ -295,7 +295,7 @@ def test_stale_turns_are_consumed_without_a_judge_verdict(gateway_factory, tiny_
     old = two_turns(gw, None, 0)  # served by v0; its turns wait for a judge that never comes
     fresh = two_turns(gw, None, 1)
     feedback(gw, fresh[0], 1.0)
-    db = make_engine(url)
+    db = connect(url)
     trainer = Trainer(config(tiny_model_dir, url, adapters, await_judge=True), db)
     trainer.version = 10  # as if ten steps had been taken since the old conversation was served
     with Session(db) as session, session.begin():

@@ -12,10 +12,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from gateway import rollouts
 from gateway.errors import BadRequest, EngineUnavailable, Forbidden, Unauthorized
 from gateway.job import RolloutRef
 from gateway.state import AppState
+from gateway.store import rollouts
 
 ROLLOUT_HEADER = "x-rollout-id"
 ROLLOUT_ID_MAX = 100

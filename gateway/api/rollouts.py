@@ -12,10 +12,10 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request
 
-from gateway import rollouts
 from gateway.api.deps import AdminAuth, State, authorize_rollout, store_caught_up
 from gateway.errors import NotFound
 from gateway.protocol.rollouts import CreateRollout, FinishRollout, PostFeedback, PostReward
+from gateway.store import rollouts
 from trainer.data import load_rollout
 
 router = APIRouter()

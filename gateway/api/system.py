@@ -14,8 +14,8 @@ from sqlalchemy.orm import Session
 
 from gateway.api.deps import State
 from gateway.store import turns
+from gateway.store.errors import is_transient
 from gateway.store.models import Judgement, PolicyVersion, Reward, Rollout, TrainedRollout, TrainedTurn
-from gateway.store.writer import is_transient
 
 router = APIRouter()
 

@@ -3,12 +3,18 @@
 - ``models``: the SQLAlchemy tables (created only by the Alembic migrations in ``migrations/``).
 - ``codec``: token ids, logprobs and request bodies in their compact stored forms.
 - ``db``: engines for SQLite and Postgres, and the migration commands.
+- ``records``: the capture records the gateway hands the writer, and their JSON form.
+- ``rows``: records → table rows, and the batch statements.
+- ``spool``: the dead-letter and pending files.
+- ``errors``: ``CaptureFull`` and which database errors are transient.
 - ``writer``: ``CallWriter``, the non-blocking, batching, never-losing capture writer.
 - ``repo``: reads, including a call's full prompt and request rebuilt from parent deltas.
+- ``rollouts``: the rollout lifecycle (create, reward, finish, list, inspect) and rollout keys.
 """
 
-from gateway.store.db import current_revision, downgrade, head_revision, make_engine, normalize_url, upgrade
+from gateway.store.db import connect, current_revision, downgrade, head_revision, normalize_url, upgrade
 from gateway.store.models import Base, Call, PolicyVersion, Reward, Rollout
+from gateway.store.records import CallRecord, RewardRecord, RolloutRecord
 from gateway.store.repo import (
     CallCache,
     calls_for_rollout,
@@ -18,7 +24,7 @@ from gateway.store.repo import (
     get_call,
     latest_call_by_tail_hash,
 )
-from gateway.store.writer import CallRecord, CallWriter, RewardRecord, RolloutRecord, WriterStats
+from gateway.store.writer import CallWriter, WriterStats
 
 __all__ = [
     "Base",
@@ -33,6 +39,7 @@ __all__ = [
     "RolloutRecord",
     "WriterStats",
     "calls_for_rollout",
+    "connect",
     "current_revision",
     "downgrade",
     "full_prompt_array",
@@ -41,7 +48,6 @@ __all__ = [
     "get_call",
     "head_revision",
     "latest_call_by_tail_hash",
-    "make_engine",
     "normalize_url",
     "upgrade",
 ]

@@ -1,6 +1,6 @@
 """Database engines and schema migrations, for SQLite (embedded default) and Postgres (production).
 
-``make_engine`` sets up each backend for a writer thread next to readers: SQLite gets WAL, a busy timeout,
+``connect`` sets up each backend for a writer thread next to readers: SQLite gets WAL, a busy timeout,
 foreign keys and real transactions (so SAVEPOINT works, which the capture writer's row-by-row retry needs);
 Postgres goes through psycopg 3 with pre-ping. The migration helpers drive Alembic from code with a Config
 built here, so they work from any working directory and from an installed package; Alembic is the only thing
@@ -33,7 +33,7 @@ def normalize_url(url: str) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
-def make_engine(
+def connect(
     url: str,
     *,
     busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,

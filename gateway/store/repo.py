@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from gateway.store import codec
-from gateway.store.models import Call
+from gateway.store.models import Call, Rollout
 
 DEFAULT_MEMO_SIZE = 32
 
@@ -48,6 +49,48 @@ def latest_call_by_tail_hash(session: Session, tail_hash: str, rollout_id: str |
         statement = statement.where(Call.rollout_id == rollout_id)
     statement = statement.order_by(Call.started_at.desc(), Call.id.desc()).limit(1)
     return session.scalars(statement).first()
+
+
+@dataclass(frozen=True, slots=True)
+class ContinuedCall:
+    """A stored call that a new request continues, with what the prompt splice needs from it."""
+
+    call_id: str
+    rollout_id: str
+    rollout_open: bool
+    token_ids: list[int]  # its full prompt + completion
+    completion_ids: list[int]
+    messages: list[Any]  # its full request's messages
+
+
+def continued_call(db: sa.Engine, tail_hash: str, rollout_id: str | None) -> ContinuedCall | None:
+    """The latest successful call whose conversation-after hash is ``tail_hash``: within rollout ``rollout_id``,
+    or, when that is None, among implicit rollouts."""
+    with Session(db) as session:
+        query = (
+            sa.select(Call, Rollout.status)
+            .join(Rollout, Rollout.id == Call.rollout_id)
+            .where(Call.tail_hash == tail_hash, Call.status == "ok")
+        )
+        query = (
+            query.where(Call.rollout_id == rollout_id)
+            if rollout_id is not None
+            else query.where(Rollout.kind == "implicit")
+        )
+        found = session.execute(query.order_by(Call.started_at.desc()).limit(1)).first()
+        if found is None:
+            return None
+        call, status = found.tuple()
+        cache = CallCache(session)
+        completion = codec.unpack_ids(call.completion_ids)
+        return ContinuedCall(
+            call_id=call.id,
+            rollout_id=call.rollout_id,
+            rollout_open=status == "open",
+            token_ids=full_prompt_ids(cache, call) + completion,
+            completion_ids=completion,
+            messages=cache.messages(call),
+        )
 
 
 class CallCache:

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from gateway.errors import BadRequest, NotFound
 from gateway.store import codec, repo
-from gateway.store.models import Call, Reward, Rollout
+from gateway.store.models import Call, Reward, Rollout, utcnow
 
 ROLLOUT_KEY_PREFIX = "cgr-"
 FINISHED = ("completed", "failed", "aborted")
@@ -37,10 +37,6 @@ def hash_key(key: str) -> str:
 
 def key_matches(key: str, key_hash: str | None) -> bool:
     return key_hash is not None and hmac.compare_digest(hash_key(key), key_hash)
-
-
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.UTC)
 
 
 def default_group(task_id: str | None, harness: str | None) -> str | None:

@@ -1,0 +1,105 @@
+"""The writer's files: the dead-letter file of rejected records and the pending files of unwritten ones.
+
+Both hold one JSON record a line (``record_to_json``) and are fsync'd before the writer counts their rows as
+handled. ``dead-letter.jsonl`` only grows: each line is a record the database rejected, with its error, kept so
+it can be fixed and replayed by hand. ``pending-*.jsonl`` files hold what a shutdown could not commit; they are
+written whole (temporary file, then rename) and read back by the next writer's ``start``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+
+from gateway.store.errors import describe_error
+from gateway.store.models import utcnow
+from gateway.store.records import Record, record_from_json, record_to_json
+
+log = logging.getLogger("clawgate.capture")
+
+DEAD_LETTER_FILE = "dead-letter.jsonl"
+PENDING_GLOB = "pending-*.jsonl"
+
+
+def dead_letter(spool_dir: Path, dead: list[tuple[Record, str]]) -> None:
+    """Append rejected records and their reasons to the dead-letter file (and to the log)."""
+    if not dead:
+        return
+    now = utcnow().isoformat()
+    lines = [
+        json.dumps({"failed_at": now, "error": reason, "record": record_to_json(record)}) + "\n"
+        for record, reason in dead
+    ]
+    for record, reason in dead:
+        log.error("capture record %s dead-lettered: %s", getattr(record, "id", "?"), reason)
+    try:
+        spool_dir.mkdir(parents=True, exist_ok=True)
+        with open(spool_dir / DEAD_LETTER_FILE, "a", encoding="utf-8") as file:
+            file.writelines(lines)
+            file.flush()
+            os.fsync(file.fileno())
+    except OSError:
+        # The rows are committed-or-rejected already; the log is their last record.
+        log.exception("cannot write the dead-letter file; the rejected rows follow:\n%s", "".join(lines))
+
+
+def spool(spool_dir: Path, records: list[Record]) -> Path | None:
+    """Write ``records`` to a new pending file; its path, or None (and the records in the log) if that failed."""
+    stamp = utcnow().strftime("%Y%m%dT%H%M%S%fZ")
+    path = spool_dir / f"pending-{stamp}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
+    lines = [json.dumps(record_to_json(record)) + "\n" for record in records]
+    try:
+        spool_dir.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(path.name + ".tmp")
+        with open(temporary, "w", encoding="utf-8") as file:
+            file.writelines(lines)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+        _fsync_dir(spool_dir)
+    except OSError:
+        log.exception("cannot spool %d unwritten capture records; they follow:\n%s", len(records), "".join(lines))
+        return None
+    log.warning("spooled %d unwritten capture records to %s", len(records), path)
+    return path
+
+
+def load_pending(spool_dir: Path) -> tuple[list[tuple[Path, list[Record]]], int]:
+    """The pending files, oldest first, each with its records, and how many unreadable lines went to the
+    dead-letter file instead."""
+    if not spool_dir.is_dir():
+        return [], 0
+    loaded: list[tuple[Path, list[Record]]] = []
+    dead_lettered = 0
+    for path in sorted(spool_dir.glob(PENDING_GLOB)):
+        records: list[Record] = []
+        unreadable: list[str] = []
+        with open(path, encoding="utf-8") as file:
+            for line in file:
+                if not line.strip():
+                    continue
+                try:
+                    records.append(record_from_json(json.loads(line)))
+                except (ValueError, KeyError, TypeError) as error:
+                    entry = {"failed_at": utcnow().isoformat(), "error": describe_error(error), "line": line}
+                    unreadable.append(json.dumps(entry) + "\n")
+        if unreadable:
+            log.error("%d unreadable lines in %s go to the dead-letter file", len(unreadable), path)
+            with open(spool_dir / DEAD_LETTER_FILE, "a", encoding="utf-8") as file:
+                file.writelines(unreadable)
+            dead_lettered += len(unreadable)
+        loaded.append((path, records))
+    return loaded, dead_lettered
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
