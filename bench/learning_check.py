@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 from gateway.app import build_app  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
 from gateway.store import db  # noqa: E402
-from trainer.step import TrainConfig, Trainer  # noqa: E402
+from trainer.config import TrainConfig  # noqa: E402
+from trainer.step import Trainer  # noqa: E402
 
 ADMIN = "learning-check-admin"
 

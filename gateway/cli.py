@@ -241,7 +241,7 @@ def _db_url(args: argparse.Namespace) -> str:
 
 
 def _tree_config(args: argparse.Namespace) -> Any:
-    from trainer.filters import TreeConfig
+    from prefix_tree.filters import TreeConfig
 
     return TreeConfig(
         drop_dead_leaves=not args.keep_dead_leaves,
@@ -262,7 +262,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
     import json
 
     from gateway.store import db
-    from trainer.data import load_rollout
+    from gateway.store.training_data import load_rollout
 
     engine = db.make_engine(_db_url(args))
     try:
@@ -287,7 +287,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from gateway import rollouts
     from gateway.store import db
-    from trainer.data import load_rollout, rollout_ids
+    from gateway.store.training_data import load_rollout, rollout_ids
 
     engine = db.make_engine(_db_url(args))
     out = open(args.out, "w", encoding="utf-8") if args.out != "-" else sys.stdout  # noqa: SIM115
@@ -426,7 +426,7 @@ def _train_settings(args: argparse.Namespace) -> Settings:
 
 def train_config(settings: Settings, *, once: bool = False) -> Any:
     from trainer import lora
-    from trainer.step import TrainConfig
+    from trainer.config import TrainConfig
 
     config = TrainConfig(
         model=settings.model,
@@ -456,9 +456,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from gateway.store import db
     from trainer import loop
+    from trainer.plan import describe
     from trainer.progress import StepProgress
     from trainer.publish import TrainerBusy, TrainerLock
-    from trainer.step import Trainer, describe
+    from trainer.step import Trainer
 
     settings = _train_settings(args)
     _setup_logging(settings.log_level)
