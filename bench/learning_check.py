@@ -156,7 +156,7 @@ def main() -> int:
     ap.add_argument("--target-size", type=int, default=50)
     ap.add_argument("--no-control", action="store_true", help="skip the learning-rate-0 control")
     args = ap.parse_args()
-    from gateway.tiny_model import build_tiny_model
+    from clawgate.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -32,7 +32,7 @@ def train_cmd(model: Path, url: str, adapters: Path, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "gateway.cli",
+        "clawgate.cli",
         "train",
         "--model",
         str(model),
