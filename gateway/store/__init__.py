@@ -5,6 +5,8 @@
 - ``db``: engines for SQLite and Postgres, and the migration commands.
 - ``writer``: ``CallWriter``, the non-blocking, batching, never-losing capture writer.
 - ``repo``: reads, including a call's full prompt and request rebuilt from parent deltas.
+- ``turns``, ``readiness``: what the trainer may take now (ready turns and rollouts, stale data, the backlog).
+- ``training_data``: a rollout's calls as the prefix tree's input, its tree and reward; ready turns.
 """
 
 from gateway.store.db import current_revision, downgrade, head_revision, make_engine, normalize_url, upgrade
