@@ -10,10 +10,10 @@ A step starts when
 Otherwise the loop sleeps ``interval`` seconds and says what it waits for: rollouts, groups, and turns awaiting
 their next state or the judge (a trainer that trains nothing should say why).
 
-Crash safety comes from the step itself (``step.py``: consumption and publication commit in one transaction;
-``publish.recover`` resumes from the last recorded version), so the daemon may be killed at any point. A step
-that raises (the database went away, a CUDA error) is logged and recorded as a failed train step; the loop backs
-off and tries again — the data it would have consumed is still ready.
+Crash safety comes from the step itself (``step.py``: consumption and publication commit in one transaction,
+``publish.record_version``; ``publish.recover`` resumes from the last recorded version), so the daemon may be killed
+at any point. A step that raises (the database went away, a CUDA error) is logged and recorded as a failed train
+step; the loop backs off and tries again — the data it would have consumed is still ready.
 """
 
 from __future__ import annotations

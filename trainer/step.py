@@ -19,10 +19,13 @@ with each version (``value_head.safetensors``).
 A step packs the trees (``batch.pack_trees``: shared prefixes computed and counted once), accumulates the gradient
 of the PPO-clip loss with token-level truncated importance sampling against the engine's logprobs
 (``loss.policy_loss``), normalized by the number of distinct trainable tokens, takes one optimizer step, saves
-``policy@v(N+1)`` and, in one transaction, records the train step, the new policy version and everything it
-consumed (``trained_rollouts`` / ``trained_turns``, primary keys (id, epoch): nothing is trained twice in an epoch).
-A crash before that commit leaves nothing recorded: the data stays ready and the next run starts again from the
-last published version.
+``policy@v(N+1)`` and, in one transaction (``publish.record_version``), records the train step, the new policy
+version and everything it consumed (``trained_rollouts`` / ``trained_turns``, primary keys (id, epoch): nothing is
+trained twice in an epoch). A crash before that commit leaves nothing recorded: the data stays ready and the next
+run starts again from the last published version.
+
+What is ready and what is stale comes from the store (``gateway/store/readiness.py``, ``turns.py``), the trees from
+``gateway/store/training_data.py``; the configuration is ``config.py``, a step's working data ``plan.py``.
 
 Data that carries no signal (a group or a batch key without reward variance or with a single member; a tree
 dropped for abnormal branching; served by a version beyond the staleness bound) is consumed too, with no
