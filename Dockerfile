@@ -35,10 +35,12 @@ print('\n'.join(p['dependencies'] + p['optional-dependencies']['train'] + p['opt
 
 COPY README.md ./
 COPY migrations ./migrations
+COPY prefix_tree ./prefix_tree
 COPY trainer ./trainer
 COPY runner ./runner
 COPY rewards ./rewards
 COPY gateway ./gateway
+COPY clawgate ./clawgate
 RUN pip install ".[train,judge]" && rm -rf build *.egg-info
 
 USER clawgate

@@ -29,9 +29,9 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from clawgate.tiny_model import build_tiny_model  # noqa: E402
 from gateway.engines.vllm_server import VLLMServer, find_vllm_python, free_port  # noqa: E402
 from gateway.store import db  # noqa: E402
-from gateway.tiny_model import build_tiny_model  # noqa: E402
 
 MESSAGES = [
     {"role": "system", "content": "You are a coding agent. Answer briefly."},
@@ -204,7 +204,7 @@ def main() -> int:
                 "CLAWGATE_DATA_DIR": f"{tmp}/data",
                 "CLAWGATE_LOG_LEVEL": "warning",
             }
-            gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve"], env=env, cwd=ROOT)
+            gw = subprocess.Popen([sys.executable, "-m", "clawgate.cli", "serve"], env=env, cwd=ROOT)
             try:
                 gw_url = f"http://127.0.0.1:{port}"
                 deadline = time.monotonic() + 120

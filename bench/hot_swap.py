@@ -121,8 +121,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--no-vllm", action="store_true")
     args = ap.parse_args()
+    from clawgate.tiny_model import build_tiny_model
     from gateway.engines.vllm_server import VLLMServer, find_vllm_python
-    from gateway.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -134,7 +134,7 @@ def main() -> int:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from gateway.tiny_model import build_tiny_model
+    from clawgate.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

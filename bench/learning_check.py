@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 from gateway.app import build_app  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
 from gateway.store import db  # noqa: E402
-from trainer.step import TrainConfig, Trainer  # noqa: E402
+from trainer.config import TrainConfig  # noqa: E402
+from trainer.step import Trainer  # noqa: E402
 
 ADMIN = "learning-check-admin"
 
@@ -155,7 +156,7 @@ def main() -> int:
     ap.add_argument("--target-size", type=int, default=50)
     ap.add_argument("--no-control", action="store_true", help="skip the learning-rate-0 control")
     args = ap.parse_args()
-    from gateway.tiny_model import build_tiny_model
+    from clawgate.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

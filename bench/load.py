@@ -150,8 +150,8 @@ async def main() -> None:
     )
     args = ap.parse_args()
 
+    from clawgate.tiny_model import build_tiny_model
     from gateway.store import db
-    from gateway.tiny_model import build_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="clawgate-load-"))
     model = build_tiny_model(tmp / "model", seed=0)

@@ -311,7 +311,7 @@ def main() -> int:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from gateway.tiny_model import build_tiny_model
+    from clawgate.tiny_model import build_tiny_model
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with tempfile.TemporaryDirectory() as tmp:

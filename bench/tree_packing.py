@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from gateway.conversation import Message, ToolCall, ToolSpec  # noqa: E402
 from gateway.render import Renderer  # noqa: E402
+from prefix_tree import CallView, RolloutTree, TreeConfig, build_tree  # noqa: E402
 from trainer.batch import PackedBatch, pack_trees, sequence_logprobs  # noqa: E402
-from trainer.tree import CallView, RolloutTree, TreeConfig, build_tree  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "harness-requests"
 # One per harness by default: the turn after a tool result, each in a different API.
@@ -194,7 +194,7 @@ def main() -> int:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gateway.tiny_model import build_tiny_model
+    from clawgate.tiny_model import build_tiny_model
 
     torch.manual_seed(0)
     if args.fixtures == "default":

@@ -6,8 +6,9 @@ down.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -195,3 +196,14 @@ class Settings(BaseSettings):
         path = Path(self.model).expanduser()
         looks_local = path.exists() or self.model.startswith((".", "/", "~"))
         return path.name if looks_local else self.model
+
+
+def from_flags(args: object, names: Iterable[str]) -> Settings:
+    """Settings from the environment with the command-line flags among ``names`` over it: a flag given wins, one
+    left out (None) leaves the environment's value."""
+    overrides: dict[str, Any] = {}
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides[name] = value
+    return Settings(**overrides)

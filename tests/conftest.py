@@ -28,7 +28,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from gateway.tiny_model import build_tiny_model
+    from clawgate.tiny_model import build_tiny_model
 
     out = tmp_path_factory.mktemp("tiny") / "tiny-model"
     build_tiny_model(out, seed=0)

@@ -46,7 +46,7 @@ class UpProcess:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", self.command, *self.args],
+            [sys.executable, "-m", "clawgate.cli", self.command, *self.args],
             cwd=self.cwd,
             env={**os.environ, "PYTHONPATH": str(ROOT), **self.env},
             stdout=subprocess.PIPE,

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from gateway.store.rollouts import default_group
+from prefix_tree import CallView, TreeConfig, build_tree
 from trainer.advantages import (
     SINGLETON,
     ZERO_VARIANCE,
@@ -20,7 +21,6 @@ from trainer.advantages import (
     group_advantages,
     terminal_rewards,
 )
-from trainer.tree import CallView, TreeConfig, build_tree
 
 
 def one_group(rewards: list[float], **kwargs: object) -> list[float]:

@@ -21,8 +21,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from prefix_tree import CallView, RolloutTree, TreeConfig, TreeNode, build_tree
 from trainer.batch import PackedBatch, pack_trees, prediction_logits, sequence_logprobs
-from trainer.tree import CallView, RolloutTree, TreeConfig, TreeNode, build_tree
 
 VOCAB = 96
 CONFIG = TreeConfig(keep_subagents=True, max_leaves=None)

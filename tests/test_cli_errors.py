@@ -19,7 +19,7 @@ def clawgate(
 ) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("CLAWGATE_")}
     return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", *args],
+        [sys.executable, "-m", "clawgate.cli", *args],
         env={**clean, "PYTHONPATH": str(ROOT), **(env or {})},
         cwd=cwd,
         capture_output=True,

@@ -29,10 +29,13 @@ import yaml
 from packaging.requirements import Requirement
 from pydantic import ValidationError
 
-from gateway import cli
+from clawgate import cli
+from gateway import cli as gateway_cli
 from gateway.engines.vllm_server import VLLMServer
 from gateway.settings import Settings
+from rewards import cli as rewards_cli
 from tests.missing import missing
+from trainer import cli as trainer_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -205,14 +208,14 @@ def test_clawgate_services_run_commands_the_cli_accepts() -> None:
         assert service["image"] == services["gateway"]["image"], "one image for every clawgate service"
         parsed[name] = parser.parse_args(service["command"])
 
-    assert parsed["migrate"].func is cli.cmd_db
+    assert parsed["migrate"].func is gateway_cli.cmd_db
     assert parsed["migrate"].action == "upgrade"
     assert parsed["migrate"].revision is None  # head
-    assert parsed["gateway"].func is cli.cmd_serve
+    assert parsed["gateway"].func is gateway_cli.cmd_serve
     assert parsed["gateway"].engine == "vllm"
-    assert parsed["trainer"].func is cli.cmd_train
+    assert parsed["trainer"].func is trainer_cli.cmd_train
     assert parsed["trainer"].once is False, "the trainer service runs the daemon, not one step"
-    assert parsed["judge"].func is cli.cmd_judge
+    assert parsed["judge"].func is rewards_cli.cmd_judge
     assert parsed["judge"].once is False, "the judge service runs the worker, not one pass"
     assert services["judge"]["profiles"] == ["judge"], "the reward worker runs only when asked for"
 
@@ -263,7 +266,7 @@ def test_env_example_gives_valid_settings_for_every_service(monkeypatch: pytest.
                 patch.delenv(name)
         for name, value in service_env(services["gateway"]).items():
             patch.setenv(name, value)
-        gateway = cli._settings(cli.build_parser().parse_args(services["gateway"]["command"]))
+        gateway = gateway_cli.serve_settings(cli.build_parser().parse_args(services["gateway"]["command"]))
     assert gateway.environment == "production" == example["CLAWGATE_ENVIRONMENT"]
     assert gateway.engine == "vllm"
     assert gateway.api_keys == env["CLAWGATE_API_KEYS"].split(",")
@@ -556,7 +559,7 @@ def test_dockerfile_runs_clawgate_as_a_non_root_user() -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     target = pyproject["project"]["scripts"]["clawgate"]
     module, _, function = target.partition(":")
-    assert (module, function) == ("gateway.cli", "main")
+    assert (module, function) == ("clawgate.cli", "main")
     assert cli.main.__module__ == module
 
     # The default command is one the CLI knows.

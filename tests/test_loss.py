@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from prefix_tree import CallView, build_tree
 from trainer.loss import Aggregation, aggregate, policy_loss, token_entropy, value_loss
-from trainer.tree import CallView, build_tree
 
 D = torch.float64
 

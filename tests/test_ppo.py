@@ -28,14 +28,16 @@ import torch
 from safetensors.torch import load_file
 
 from gateway.store.db import connect
+from gateway.store.readiness import ready_rollouts
+from gateway.store.training_data import load_rollout
+from prefix_tree import CallView, RolloutTree, TreeConfig, build_tree
 from tests.conftest import module_gateway
 from trainer import lora, ppo
 from trainer.advantages import gae
 from trainer.batch import pack_trees
-from trainer.data import load_rollout
+from trainer.config import TrainConfig
 from trainer.loss import policy_loss, value_loss
-from trainer.step import TrainConfig, Trainer, ready_rollouts
-from trainer.tree import CallView, RolloutTree, TreeConfig, build_tree
+from trainer.step import Trainer
 
 ADMIN = {"Authorization": "Bearer adm"}
 KEEP_BOTH = TreeConfig(drop_dead_leaves=False)  # two retries of one prompt, both kept: a two-branch tree

@@ -313,14 +313,14 @@ def test_reward_function_specs_and_return_values_are_checked(tmp_path):
 
 
 def test_the_judge_command_refuses_to_run_without_a_judge_or_function(sqlite_url, capsys):
-    from gateway.cli import main
+    from clawgate.cli import main
 
     assert main(["judge", "--database-url", sqlite_url]) == 2
     assert "nothing to judge with: set --judge-model" in capsys.readouterr().err
 
 
 def test_the_judge_command_names_a_missing_key_variable(sqlite_url, capsys, monkeypatch):
-    from gateway.cli import main
+    from clawgate.cli import main
 
     monkeypatch.delenv("NO_SUCH_JUDGE_KEY", raising=False)
     args = [
@@ -338,7 +338,7 @@ def test_the_judge_command_names_a_missing_key_variable(sqlite_url, capsys, monk
 
 
 def test_judge_once_then_read_the_reasons(setup, tiny_model_dir, monkeypatch, capsys):
-    from gateway.cli import main
+    from clawgate.cli import main
 
     gw, engine, _ = setup
     (first, second, rollout), *_ = conversations(gw, engine, 1)
@@ -376,7 +376,7 @@ def test_judge_once_then_read_the_reasons(setup, tiny_model_dir, monkeypatch, ca
 
 
 def test_judge_once_with_the_judge_down_exits_and_leaves_the_turns(setup, tiny_model_dir, capsys, monkeypatch):
-    from gateway.cli import main
+    from clawgate.cli import main
 
     monkeypatch.setenv("TEST_JUDGE_KEY", "k")
     gw, engine, db = setup

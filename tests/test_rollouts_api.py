@@ -205,7 +205,7 @@ def test_conversation_resumed_after_idle_close_starts_a_new_rollout(gateway_fact
 def test_tree_and_export_commands(gw, capsys, tmp_path):
     import json
 
-    from gateway.cli import main
+    from clawgate.cli import main
 
     ro = run_lifecycle(gw)
     url = gw.settings.database_url

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from gateway.store.db import connect
+from gateway.store.training_data import load_rollout
 from runner.harnesses import make_harness
 from runner.run import RunConfig, Runner
 from runner.sandbox import SandboxFactory
@@ -19,7 +20,6 @@ from tests.fakes import ScriptedEngine
 from tests.runner_support import make_tasks, require_bwrap
 from tests.test_claude_code_e2e import captured, claude_exe  # noqa: F401 (a fixture)
 from trainer.advantages import ZERO_VARIANCE, group_advantages
-from trainer.data import load_rollout
 
 ADMIN = "claude-runner-admin"
 HELLO = {

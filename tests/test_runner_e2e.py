@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.cli import main as clawgate
+from clawgate.cli import main as clawgate
 from runner.client import RunAborted
 from runner.harnesses import make_harness
 from runner.report import RunReport

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from gateway.tiny_model import (  # noqa: E402
+from clawgate.tiny_model import (  # noqa: E402
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,
     TEXT_CONTROL_TOKENS,

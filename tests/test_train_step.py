@@ -8,7 +8,7 @@ import openai
 import sqlalchemy as sa
 from safetensors.torch import load_file
 
-from gateway.cli import main
+from clawgate.cli import main
 from gateway.store.db import connect
 
 ADMIN = {"Authorization": "Bearer adm"}

@@ -21,8 +21,9 @@ from gateway.store.db import connect
 from tests.policies import publish
 from tests.test_train_step import ADMIN, rollout
 from trainer import lora
+from trainer.config import TrainConfig
 from trainer.publish import ORPHANS, TrainerBusy, TrainerLock, recover
-from trainer.step import TrainConfig, Trainer
+from trainer.step import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,7 +32,7 @@ def train_cmd(model: Path, url: str, adapters: Path, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "gateway.cli",
+        "clawgate.cli",
         "train",
         "--model",
         str(model),

@@ -18,8 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from trainer import filters
-from trainer.tree import CallView, RolloutTree, TreeConfig, TreeNode, build_tree
+from prefix_tree import CallView, RolloutTree, TreeConfig, TreeNode, build_tree, filters
 
 Prefix = tuple[int, ...]
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from trainer.tree import CallView, build_tree
+from prefix_tree import CallView, build_tree
 
 FIXTURE = Path(__file__).parent / "fixtures/harness-requests/openclaw/01-chat-completions-after-tool-result.json"
 END = "<|im_end|>"

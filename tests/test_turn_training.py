@@ -17,15 +17,16 @@ from sqlalchemy.orm import Session
 from gateway.store import turns
 from gateway.store.db import connect
 from gateway.store.models import Call, Judgement, TrainedTurn
+from prefix_tree import CallView, build_tree
 from tests.fakes import ScriptedEngine
 from tests.test_trainer_daemon import Daemon, recorded_versions, train_cmd
 from trainer import lora
 from trainer.advantages import SINGLETON, ZERO_VARIANCE, batch_advantages
 from trainer.batch import pack_trees
+from trainer.config import TrainConfig
 from trainer.credit import CreditTable, node_table
 from trainer.ppo import branch_gae
-from trainer.step import TrainConfig, Trainer
-from trainer.tree import CallView, build_tree
+from trainer.step import Trainer
 
 ADMIN = {"Authorization": "Bearer adm"}
 
@@ -46,7 +47,7 @@ def test_batch_advantages_normalize_per_harness_and_skip_what_has_no_baseline():
 
 
 def _tree(calls: list[CallView]):
-    from trainer.data import TURN_TREE
+    from gateway.store.training_data import TURN_TREE
 
     return build_tree(calls, TURN_TREE)
 

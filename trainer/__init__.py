@@ -1,1 +1,1 @@
-"""clawgate trainer: prefix trees, advantages and LoRA policy updates from captured calls."""
+"""clawgate trainer: advantages and LoRA policy updates from the prefix trees of captured calls."""

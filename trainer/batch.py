@@ -61,7 +61,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from trainer.tree import RolloutTree, TreeNode
+from prefix_tree import RolloutTree, TreeNode
 
 __all__ = [
     "DEFAULT_MAX_TOKENS_PER_BIN",

@@ -17,8 +17,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from prefix_tree import RolloutTree
 from trainer.batch import PackedBatch
-from trainer.tree import RolloutTree
 
 Credit = float | Mapping[str, float]  # one advantage for the whole tree, or one per generating call
 

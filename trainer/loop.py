@@ -10,10 +10,10 @@ A step starts when
 Otherwise the loop sleeps ``interval`` seconds and says what it waits for: rollouts, groups, and turns awaiting
 their next state or the judge (a trainer that trains nothing should say why).
 
-Crash safety comes from the step itself (``step.py``: consumption and publication commit in one transaction;
-``publish.recover`` resumes from the last recorded version), so the daemon may be killed at any point. A step
-that raises (the database went away, a CUDA error) is logged and recorded as a failed train step; the loop backs
-off and tries again — the data it would have consumed is still ready.
+Crash safety comes from the step itself (``step.py``: consumption and publication commit in one transaction,
+``publish.record_version``; ``publish.recover`` resumes from the last recorded version), so the daemon may be killed
+at any point. A step that raises (the database went away, a CUDA error) is logged and recorded as a failed train
+step; the loop backs off and tries again — the data it would have consumed is still ready.
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ from sqlalchemy.orm import Session
 
 from gateway.faults import Fault, describe
 from gateway.store import turns
-from gateway.store.models import Rollout, TrainStep
-from trainer.step import StepResult, Trainer, readiness, ready_condition
+from gateway.store.models import TrainStep
+from gateway.store.readiness import oldest_ready_age, readiness
+from trainer.plan import StepResult
+from trainer.step import Trainer
 
 log = logging.getLogger("clawgate.trainer")
 
@@ -44,17 +46,6 @@ class LoopConfig:
     group_wait: float = 600.0
     max_steps: int | None = None  # stop after this many published steps (None: run until stopped)
     max_backoff: float = 300.0
-
-
-def oldest_ready_age(db: sa.Engine, epoch: int) -> float | None:
-    """Seconds since the oldest ready rollout finished (None: nothing is ready)."""
-    with Session(db) as session:
-        oldest = session.scalar(sa.select(sa.func.min(Rollout.finished_at)).where(*ready_condition(epoch)))
-    if oldest is None:
-        return None
-    if oldest.tzinfo is None:
-        oldest = oldest.replace(tzinfo=dt.UTC)
-    return (dt.datetime.now(dt.UTC) - oldest).total_seconds()
 
 
 def should_step(trainer: Trainer, cfg: LoopConfig) -> tuple[bool, str]:

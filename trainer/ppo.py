@@ -54,10 +54,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from prefix_tree import RolloutTree, TreeNode
 from trainer.advantages import gae, terminal_rewards
 from trainer.batch import PackedBatch, logprobs_from_logits, pack_trees
 from trainer.loss import policy_loss, value_loss
-from trainer.tree import RolloutTree, TreeNode
 
 __all__ = [
     "VALUE_HEAD",

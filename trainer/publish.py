@@ -24,7 +24,7 @@ from types import TracebackType
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from gateway.store.models import PolicyVersion
+from gateway.store.models import PolicyVersion, TrainedRollout, TrainedTurn, TrainStep
 from trainer import lora
 
 log = logging.getLogger("clawgate.trainer")
@@ -104,4 +104,79 @@ def recover(db: sa.Engine, adapter_dir: str | Path) -> int | None:
     return known[-1] if known else None
 
 
-__all__ = ["ORPHANS", "TrainerBusy", "TrainerLock", "published_versions", "recover"]
+def record_version(
+    db: sa.Engine,
+    manifest: lora.Manifest,
+    path: Path,
+    *,
+    algorithm: str,
+    epoch: int,
+    step: tuple[dt.datetime, dict[str, float]] | None,
+    consumed: dict[str, float | None],
+    consumed_turns: dict[str, tuple[str, float | None, float | None]],
+    metrics: dict[str, float],
+) -> int:
+    """The second half of publishing ``policy@vN`` (written to ``path``): one transaction records the train step
+    (``step``: when it started, None for v0), what it consumed with its advantages, and the ``policy_versions``
+    row. Returns the step's id (0 for v0)."""
+    now = dt.datetime.now(dt.UTC)
+    with Session(db) as session, session.begin():
+        step_id = 0
+        if step is not None:
+            row = TrainStep(
+                version=manifest.version,
+                base_version=manifest.parent_version,
+                algorithm=algorithm,
+                status="ok",
+                n_rollouts=len(consumed) + len(consumed_turns),
+                n_paths=0,
+                tokens_processed=int(metrics.get("tokens_processed", 0)),
+                trainable_tokens=int(metrics.get("trainable_tokens", 0)),
+                metrics=metrics,
+                started_at=step[0],
+                ended_at=now,
+            )
+            session.add(row)
+            session.flush()
+            step_id = row.id
+            for rollout_id, advantage in consumed.items():
+                session.add(
+                    TrainedRollout(
+                        rollout_id=rollout_id,
+                        epoch=epoch,
+                        step_id=step_id,
+                        version=manifest.version,
+                        advantage=advantage,
+                        created_at=now,
+                    )
+                )
+            for call_id, (rollout_id, reward, advantage) in consumed_turns.items():
+                session.add(
+                    TrainedTurn(
+                        call_id=call_id,
+                        epoch=epoch,
+                        rollout_id=rollout_id,
+                        step_id=step_id,
+                        version=manifest.version,
+                        reward=reward,
+                        advantage=advantage,
+                        created_at=now,
+                    )
+                )
+        session.add(
+            PolicyVersion(
+                version=manifest.version,
+                adapter_name=lora.version_name(manifest.version),
+                path=str(path),
+                base_model=manifest.base_model,
+                status="published",
+                is_current=False,
+                step=step_id or None,
+                metrics=metrics or None,
+                created_at=now,
+            )
+        )
+    return step_id
+
+
+__all__ = ["ORPHANS", "TrainerBusy", "TrainerLock", "published_versions", "record_version", "recover"]

@@ -16,7 +16,7 @@ from gateway.api.deps import AdminAuth, State, authorize_rollout, store_caught_u
 from gateway.errors import NotFound
 from gateway.protocol.rollouts import CreateRollout, FinishRollout, PostFeedback, PostReward
 from gateway.store import rollouts
-from trainer.data import load_rollout
+from gateway.store.training_data import load_rollout
 
 router = APIRouter()
 

@@ -10,6 +10,8 @@
 - ``writer``: ``CallWriter``, the non-blocking, batching, never-losing capture writer.
 - ``repo``: reads, including a call's full prompt and request rebuilt from parent deltas.
 - ``rollouts``: the rollout lifecycle (create, reward, finish, list, inspect) and rollout keys.
+- ``turns``, ``readiness``: what the trainer may take now (ready turns and rollouts, stale data, the backlog).
+- ``training_data``: a rollout's calls as the prefix tree's input, its tree and reward; ready turns.
 """
 
 from gateway.store.db import connect, current_revision, downgrade, head_revision, normalize_url, upgrade

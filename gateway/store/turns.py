@@ -76,7 +76,7 @@ def ready(epoch: int, await_judge: bool) -> tuple[sa.ColumnElement[bool], ...]:
 
 
 def ready_turns(db: sa.Engine, epoch: int, limit: int, *, await_judge: bool) -> list[str]:
-    """Ready turns, freshest first (as ``step.ready_rollouts``: the backlog ages out through the staleness bound)."""
+    """Ready turns, freshest first (as ``readiness.ready_rollouts``: the backlog ages out through staleness)."""
     query = (
         sa.select(Call.id)
         .join(Rollout, Rollout.id == Call.rollout_id)

@@ -1,7 +1,7 @@
-"""From the store to the trainer's pure types: a rollout's calls as ``CallView``s, its tree, its reward.
+"""From the store to the prefix tree's pure types: a rollout's calls as ``CallView``s, its tree, its reward; turns.
 
-The only module of the trainer's data path that touches the database; everything after it (tree, filters,
-advantages, packing) is a pure function of what it returns.
+Where the trainer's data leaves the database (the gateway's ``/tree`` route and `clawgate tree` read trees through it
+too); everything after it (filters, advantages, packing) is a pure function of what it returns.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from sqlalchemy.orm import Session
 from gateway.store import codec, repo
 from gateway.store.models import Call, Reward, Rollout
 from gateway.store.turns import TurnReward, turn_rewards
-from trainer.filters import TreeConfig
-from trainer.tree import CallView, RolloutTree, build_tree
+from prefix_tree import CallView, RolloutTree, TreeConfig, build_tree
 
 
 def call_views(session: Session, rollout_id: str, only: set[str] | None = None) -> list[CallView]:

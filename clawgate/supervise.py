@@ -20,12 +20,15 @@ import threading
 from pydantic import SecretStr
 
 from gateway.settings import Settings
+from trainer.cli import TRAINER_BUSY
 
 log = logging.getLogger("clawgate")
 
-# Exit code of a worker that must not be restarted: another trainer holds the adapter directory, or the
-# configuration is wrong (`clawgate judge` without a judge model or reward function, a function that does not load).
-NO_RESTART = (2, 3)
+# Exit code of a worker whose configuration is wrong (`clawgate judge` without a judge model or reward function, a
+# function that does not load): restarting it would fail the same way.
+CONFIG_ERROR = 2
+# Exit codes of a worker that must not be restarted.
+NO_RESTART = (CONFIG_ERROR, TRAINER_BUSY)
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -60,7 +63,7 @@ class ChildProcess:
         self._thread: threading.Thread | None = None
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "gateway.cli", self.subcommand]
+        return [sys.executable, "-m", "clawgate.cli", self.subcommand]
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._supervise, name=f"clawgate-{self.subcommand}", daemon=True)

@@ -23,7 +23,9 @@ which is closed only after the last of them.
 from __future__ import annotations
 
 import json
+import sys
 import sysconfig
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -298,6 +300,14 @@ def build_tiny_model(
     (out / "model.safetensors").chmod(0o644)
     report(f"tiny model written to {out}")
     return out
+
+
+def build_tiny(out: Path, seed: int = 0) -> None:
+    """``build_tiny_model`` with its progress on stderr (for `clawgate tiny-model` and `clawgate up`)."""
+    t0 = time.perf_counter()
+    print(f"building tiny model in {out} ...", file=sys.stderr)
+    build_tiny_model(out, seed=seed, progress=lambda msg: print(f"  {msg}", file=sys.stderr))
+    print(f"built {out} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
 
 def _init_weights(model: Any, *, seed: int, std: float) -> None:

@@ -19,169 +19,17 @@ Pure: no database, no torch. The input is a list of ``CallView`` (one stored cal
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from trainer import filters
-from trainer.filters import TreeConfig
-
-__all__ = ["CallRecord", "CallView", "RolloutTree", "TreeConfig", "TreeNode", "TreePath", "TreeReport", "build_tree"]
-
-MAIN = "main"
-TokenArray = npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True)
-class CallView:
-    """One captured call as the tree needs it: full prompt ids, completion ids and sampled-token logprobs."""
-
-    id: str
-    prompt_ids: Sequence[int] | npt.NDArray[np.integer[Any]]
-    completion_ids: Sequence[int] | npt.NDArray[np.integer[Any]]
-    completion_logprobs: Sequence[float] | npt.NDArray[np.floating[Any]]
-    started_at: float  # seconds; orders the calls of a rollout
-    status: str  # "ok" | "failed" | "cancelled"
-    policy_version: int | None = None
-    is_subagent: bool = False
-    agent_id: str | None = None
-    finish_reason: str | None = None
-
-
-class TreeNode:
-    """One edge of the radix tree and the node it leads to.
-
-    ``tokens`` are the edge's token ids, which start at position ``depth`` of every path through the node.
-    ``trainable``, ``logprobs`` (NaN where not trainable) and ``versions`` (-1 where not trainable or unknown)
-    run parallel to ``tokens``. A root has no tokens.
-    """
-
-    __slots__ = (
-        "calls_ending",
-        "children",
-        "depth",
-        "filtered",
-        "generator",
-        "id",
-        "kept",
-        "logprobs",
-        "parent",
-        "prompt_last",
-        "prompts_ending",
-        "tokens",
-        "trainable",
-        "trajectory",
-        "versions",
-    )
-
-    def __init__(self, tokens: TokenArray, depth: int, parent: TreeNode | None, trajectory: str) -> None:
-        self.tokens = tokens
-        self.depth = depth
-        self.parent = parent
-        self.trajectory = trajectory
-        self.children: dict[int, TreeNode] = {}  # by first token
-        self.prompts_ending: list[str] = []  # calls whose prompt ends here (their completion starts here)
-        self.calls_ending: list[str] = []  # calls whose prompt + completion ends here
-        self.kept = False  # on the path of a kept call
-        self.filtered: str | None = None  # why a node off every kept path was filtered
-        self.id = -1
-        # Latest call (time order) whose prompt ends here: tells whether a completion was continued.
-        self.prompt_last = -1
-        self.trainable: npt.NDArray[np.bool_] = np.zeros(0, dtype=np.bool_)
-        self.logprobs: npt.NDArray[np.float64] = np.zeros(0)
-        self.versions: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
-        # The kept call whose completion holds this node's trainable tokens (the latest, when several generated
-        # the same positions); None on context. Call boundaries are node boundaries, so one call per node.
-        self.generator: str | None = None
-
-    @property
-    def end(self) -> int:
-        """Position just past the edge: the length of every path ending at this node."""
-        return self.depth + len(self.tokens)
-
-    @property
-    def parent_id(self) -> int | None:
-        return None if self.parent is None else self.parent.id
-
-    @property
-    def child_nodes(self) -> list[TreeNode]:
-        return list(self.children.values())
-
-    def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, depth={self.depth}, tokens={len(self.tokens)}, kept={self.kept})"
-
-
-@dataclass(frozen=True)
-class TreePath:
-    """One kept root-to-leaf trajectory, flattened for the loss."""
-
-    tokens: TokenArray
-    trainable: npt.NDArray[np.bool_]
-    logprobs: npt.NDArray[np.float64]  # NaN on context positions
-    versions: npt.NDArray[np.int64]  # -1 on context positions and for unknown versions
-    trajectory: str  # "main" or "subagent:<agent id>"
-    leaf: int  # node id
-    calls: tuple[str, ...]  # kept calls whose prompt + completion is exactly this path
-
-
-@dataclass
-class CallRecord:
-    """What the tree made of one call."""
-
-    id: str
-    order: int  # position in time order
-    fate: str  # "kept" | "dead_leaf" | "compaction" | "subagent" | a dropped status ("failed", "cancelled")
-    relation: str | None  # filters.ROOT / CONTINUATION / RETRY / COMPACTION / NEW_ROOT; None when not placed
-    anchor: str | None  # the call it continues or retries
-    branch: str | None  # the call that opened the compaction branch it belongs to
-    reason: str | None  # why it was filtered
-    trajectory: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    prompt_node: int | None = None  # node where its prompt ends
-    end_node: int | None = None  # node where its prompt + completion ends
-
-
-@dataclass
-class TreeReport:
-    """Counts of every filtering decision and the token figures of the kept tree.
-
-    A rollout dropped for abnormal branching keeps the figures it would have had (so a dashboard can show why)
-    but yields no paths.
-    """
-
-    calls: int = 0
-    kept_calls: int = 0
-    excluded_by_status: dict[str, int] = field(default_factory=dict)
-    failed_calls: int = 0  # all calls left out by status
-    dead_leaves: int = 0  # calls detected as abandoned retries
-    dead_leaf_tokens: int = 0  # generated positions no longer trainable because of them
-    compaction_calls: int = 0  # calls on compaction branches (openers and the calls continuing them)
-    compaction_branches: int = 0
-    subagent_calls: int = 0
-    subagents: int = 0  # distinct agent ids among them
-    leaves: int = 0  # surviving leaves = kept trajectories
-    branch_points: int = 0  # kept nodes with more than one kept child
-    max_depth: int = 0  # tokens on the longest kept path
-    tree_tokens: int = 0  # tokens stored once in the kept tree
-    tree_tokens_all: int = 0  # including filtered branches
-    naive_tokens: int = 0  # prompt + completion summed over kept calls: a per-call dataset
-    trainable_tokens: int = 0  # trainable positions in the kept tree
-    dropped_reason: str | None = None
-
-    @property
-    def saving(self) -> float:
-        """How many times fewer tokens the tree holds than a per-call dataset."""
-        return self.naive_tokens / self.tree_tokens if self.tree_tokens else math.nan
-
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["saving"] = None if math.isnan(self.saving) else round(self.saving, 4)
-        return out
+from prefix_tree import filters
+from prefix_tree.filters import TreeConfig
+from prefix_tree.nodes import MAIN, CallView, TokenArray, TreeCall, TreeNode, TreeReport
+from prefix_tree.tree import RolloutTree
 
 
 @dataclass
@@ -189,7 +37,7 @@ class _Entry:
     """A placed call during the build."""
 
     call: CallView
-    record: CallRecord
+    record: TreeCall
     seq: TokenArray
     prompt_len: int
     prompt_node: TreeNode
@@ -207,177 +55,6 @@ class _Group:
     entries: list[_Entry] = field(default_factory=list)
     by_id: dict[str, _Entry] = field(default_factory=dict)
     by_order: dict[int, _Entry] = field(default_factory=dict)
-
-
-class RolloutTree:
-    """The prefix forest of one rollout (a root for the main agent, one per kept sub-agent) after filtering."""
-
-    def __init__(
-        self,
-        nodes: list[TreeNode],
-        roots: list[TreeNode],
-        calls: dict[str, CallRecord],
-        report: TreeReport,
-        config: TreeConfig,
-    ) -> None:
-        self.nodes = nodes  # nodes[i].id == i, in depth-first order
-        self.roots = roots
-        self.calls = calls  # every input call by id, in time order
-        self.report = report
-        self.config = config
-
-    @property
-    def dropped(self) -> bool:
-        return self.report.dropped_reason is not None
-
-    def leaves(self) -> list[TreeNode]:
-        """Kept nodes with no kept child that end at least one token deep."""
-        return [n for n in self.nodes if n.kept and n.end > 0 and not any(c.kept for c in n.children.values())]
-
-    def _chain(self, node: TreeNode) -> list[TreeNode]:
-        chain: list[TreeNode] = []
-        cur: TreeNode | None = node
-        while cur is not None:
-            chain.append(cur)
-            cur = cur.parent
-        chain.reverse()
-        return chain
-
-    def path_tokens(self, node_id: int) -> TokenArray:
-        """The token ids from the root to the end of a node."""
-        chain = self._chain(self.nodes[node_id])
-        return np.concatenate([n.tokens for n in chain]) if chain else np.zeros(0, dtype=np.int64)
-
-    def paths(self) -> list[TreePath]:
-        """Every kept root-to-leaf trajectory; none when the rollout was dropped."""
-        if self.dropped:
-            return []
-        out = []
-        for leaf in self.leaves():
-            chain = self._chain(leaf)
-            out.append(
-                TreePath(
-                    tokens=np.concatenate([n.tokens for n in chain]),
-                    trainable=np.concatenate([n.trainable for n in chain]),
-                    logprobs=np.concatenate([n.logprobs for n in chain]),
-                    versions=np.concatenate([n.versions for n in chain]),
-                    trajectory=leaf.trajectory,
-                    leaf=leaf.id,
-                    calls=tuple(c for c in leaf.calls_ending if self.calls[c].fate == filters.KEPT),
-                )
-            )
-        return out
-
-    def to_json(self, include_tokens: bool = False) -> dict[str, Any]:
-        """A JSON-ready summary: report, nodes with token counts per edge, calls and filtered branches."""
-        nodes = []
-        for n in self.nodes:
-            item: dict[str, Any] = {
-                "id": n.id,
-                "parent": n.parent_id,
-                "trajectory": n.trajectory,
-                "depth": n.depth,
-                "tokens": len(n.tokens),
-                "trainable": int(n.trainable.sum()),
-                "kept": n.kept,
-                "filtered": n.filtered,
-                "children": [c.id for c in n.children.values()],
-                "prompts_ending": list(n.prompts_ending),
-                "calls_ending": list(n.calls_ending),
-            }
-            if include_tokens:
-                item["token_ids"] = n.tokens.tolist()
-            nodes.append(item)
-        calls = [asdict(r) for r in self.calls.values()]
-        return {
-            "report": self.report.as_dict(),
-            "config": {**asdict(self.config), "keep_statuses": sorted(self.config.keep_statuses)},
-            "roots": [{"trajectory": r.trajectory, "node": r.id} for r in self.roots],
-            "nodes": nodes,
-            "calls": calls,
-            "filtered": [
-                {"call": r.id, "fate": r.fate, "reason": r.reason}
-                for r in self.calls.values()
-                if r.fate != filters.KEPT
-            ],
-        }
-
-    def render_text(self, max_lines: int | None = None) -> str:
-        """A terminal view: one line per edge (start position, tokens, trainable, calls ending, filters).
-
-        Chains without branching stay at one indentation level so a long linear rollout reads top to bottom.
-        """
-        lines = _summary_line(self.report).splitlines()
-        for root in self.roots:
-            lines.append(f"[{root.trajectory}]")
-            stack: list[tuple[TreeNode, str, str]] = []  # (node, indentation, branch connector)
-            _push_children(stack, root, "")
-            while stack:
-                node, indent, conn = stack.pop()
-                lines.append(indent + conn + self._node_line(node))
-                _push_children(stack, node, indent + {"": "", "├─ ": "│  ", "└─ ": "   "}[conn])
-        if max_lines is not None and len(lines) > max_lines:
-            lines = [*lines[:max_lines], f"... {len(lines) - max_lines} more lines"]
-        return "\n".join(lines)
-
-    def _node_line(self, node: TreeNode) -> str:
-        n = len(node.tokens)
-        train = int(node.trainable.sum())
-        text = f"@{node.depth:,} +{n:,} tok"
-        text += f" ({train:,} trainable)" if train else " (context)"
-        if node.prompts_ending:
-            text += "  prompt of " + ", ".join(node.prompts_ending)
-        if node.calls_ending:
-            text += "  ◀ " + ", ".join(node.calls_ending)
-        if not node.kept:
-            if node.parent is None or node.parent.kept:  # explain once, where the filtered branch leaves
-                reasons = sorted({self.calls[c].reason or self.calls[c].fate for c in _calls_below(node)})
-                text += "  ✗ " + "; ".join(reasons)
-            else:
-                text += f"  ✗ {node.filtered}"
-        return text
-
-
-def _push_children(stack: list[tuple[TreeNode, str, str]], node: TreeNode, indent: str) -> None:
-    """Queue a node's children for rendering: an only child continues the chain, siblings get connectors."""
-    kids = node.child_nodes
-    if len(kids) == 1:
-        stack.append((kids[0], indent, ""))
-        return
-    for i in reversed(range(len(kids))):
-        stack.append((kids[i], indent, "└─ " if i == len(kids) - 1 else "├─ "))
-
-
-def _calls_below(node: TreeNode) -> list[str]:
-    """Calls ending in a node's subtree (for the reason of a filtered branch)."""
-    out: list[str] = []
-    stack = [node]
-    while stack:
-        cur = stack.pop()
-        out.extend(cur.calls_ending)
-        stack.extend(cur.children.values())
-    return out
-
-
-def _summary_line(r: TreeReport) -> str:
-    parts = [f"{r.calls} calls: {r.kept_calls} kept"]
-    if r.dead_leaves:
-        parts.append(f"{r.dead_leaves} dead leaves")
-    if r.compaction_calls:
-        parts.append(f"{r.compaction_calls} compaction ({r.compaction_branches} branches)")
-    if r.subagent_calls:
-        parts.append(f"{r.subagent_calls} sub-agent ({r.subagents} agents)")
-    if r.failed_calls:
-        parts.append(", ".join(f"{v} {k}" for k, v in sorted(r.excluded_by_status.items())))
-    saving = "n/a" if math.isnan(r.saving) else f"{r.saving:.2f}x"
-    head = (
-        ", ".join(parts) + f"; {r.leaves} leaves, {r.branch_points} branch points, depth {r.max_depth:,}\n"
-        f"tokens: {r.tree_tokens:,} in tree vs {r.naive_tokens:,} per call ({saving} saving), "
-        f"{r.trainable_tokens:,} trainable"
-    )
-    if r.dropped_reason:
-        head += f"\nDROPPED: {r.dropped_reason}"
-    return head
 
 
 def _as_tokens(values: Sequence[int] | npt.NDArray[np.integer[Any]]) -> TokenArray:
@@ -448,7 +125,7 @@ def build_tree(calls: Iterable[CallView], config: TreeConfig | None = None) -> R
     config = config or TreeConfig()
     ordered = sorted(enumerate(calls), key=lambda item: (item[1].started_at, item[0]))
     report = TreeReport(calls=len(ordered))
-    records: dict[str, CallRecord] = {}
+    records: dict[str, TreeCall] = {}
     groups: dict[str, _Group] = {}
     agents: set[str | None] = set()
 
@@ -459,7 +136,7 @@ def build_tree(calls: Iterable[CallView], config: TreeConfig | None = None) -> R
             raise ValueError(
                 f"call {call.id!r}: {len(call.completion_logprobs)} logprobs for {len(call.completion_ids)} tokens"
             )
-        record = CallRecord(
+        record = TreeCall(
             id=call.id,
             order=order,
             fate=filters.KEPT,
@@ -531,7 +208,7 @@ def build_tree(calls: Iterable[CallView], config: TreeConfig | None = None) -> R
     return RolloutTree(nodes, roots, records, report, config)
 
 
-def _place(group: _Group, call: CallView, record: CallRecord, config: TreeConfig) -> None:
+def _place(group: _Group, call: CallView, record: TreeCall, config: TreeConfig) -> None:
     """Insert one call into its group's tree and classify it against the calls before it."""
     prompt = _as_tokens(call.prompt_ids)
     completion = _as_tokens(call.completion_ids)

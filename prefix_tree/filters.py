@@ -18,7 +18,7 @@ Leaving a path exactly where a completion ends is a normal continuation (the har
 user turn); leaving it exactly where a completion starts is a retry (the same prompt, perhaps with something
 appended). Every segment boundary on a path is one of these two, so "strictly inside a segment" is exactly
 "not at the boundary of any earlier call". The functions here decide from those boundary facts alone; the
-radix tree in ``tree.py`` supplies them.
+radix tree in ``build.py`` supplies them.
 """
 
 from __future__ import annotations

@@ -1,0 +1,214 @@
+"""The trainer's command, registered into the `clawgate` parser (``clawgate/cli.py``).
+
+    clawgate train        the trainer daemon: GRPO/PPO steps as rollouts become ready; publishes policy@vN
+    clawgate train --once a few steps over what is ready now, then exit
+
+``train_flags`` and ``train_config`` are also what `clawgate up` starts its trainer child with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gateway.logs import setup_logging
+from gateway.settings import Settings, from_flags
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
+
+# Exit code of `clawgate train` when another trainer holds the adapter directory (a supervisor must not restart it).
+TRAINER_BUSY = 3
+
+# The trainer's flags that are settings, by their Settings field names.
+TRAIN_FLAGS = (
+    "adapter_dir",
+    "train_algorithm",
+    "train_lr",
+    "train_min_rollouts",
+    "train_min_groups",
+    "train_interval",
+    "train_max_rollouts",
+    "train_max_staleness",
+    "train_group_wait",
+    "train_temperature",
+    "train_device",
+    "train_dtype",
+    "train_gradient_checkpointing",
+    "train_lora_rank",
+    "train_lora_alpha",
+    "train_seed",
+    "train_advantage",
+    "train_min_turns",
+    "train_await_judge",
+)
+# What `clawgate train` builds its settings from.
+TRAIN_SETTINGS = ("model", "database_url", "log_level", *TRAIN_FLAGS)
+
+
+def train_flags(p: argparse.ArgumentParser) -> None:
+    """Trainer flags, shared by `train` and `up`; each defaults to its CLAWGATE_TRAIN_* setting."""
+    g = p.add_argument_group("training")
+    g.add_argument("--adapter-dir", help="where policy@vN versions go (CLAWGATE_ADAPTER_DIR)")
+    g.add_argument("--algorithm", dest="train_algorithm", choices=["grpo", "ppo"], help="(CLAWGATE_TRAIN_ALGORITHM)")
+    g.add_argument("--lr", dest="train_lr", type=float, help="learning rate (CLAWGATE_TRAIN_LR, default 1e-5)")
+    g.add_argument(
+        "--min-rollouts", dest="train_min_rollouts", type=int, help="ready rollouts a step waits for (default 8)"
+    )
+    g.add_argument(
+        "--min-groups", dest="train_min_groups", type=int, help="groups of 2+ ready rollouts a step waits for"
+    )
+    g.add_argument("--interval", dest="train_interval", type=float, help="seconds between looks when idle")
+    g.add_argument("--max-rollouts", dest="train_max_rollouts", type=int, help="rollouts (and turns) per step at most")
+    g.add_argument(
+        "--max-staleness", dest="train_max_staleness", type=int, help="skip rollouts served this many versions back"
+    )
+    g.add_argument(
+        "--group-wait", dest="train_group_wait", type=float, help="seconds a lone rollout waits for its group"
+    )
+    g.add_argument("--temperature", dest="train_temperature", type=float, help="temperature rollouts were sampled at")
+    g.add_argument("--device", dest="train_device", help="auto, cpu, cuda, cuda:1 ... (CLAWGATE_TRAIN_DEVICE)")
+    g.add_argument("--dtype", dest="train_dtype", choices=["float32", "bfloat16"], help="(CLAWGATE_TRAIN_DTYPE)")
+    g.add_argument(
+        "--gradient-checkpointing",
+        dest="train_gradient_checkpointing",
+        action="store_true",
+        default=None,
+        help="recompute activations in the backward pass (less memory)",
+    )
+    g.add_argument("--lora-rank", dest="train_lora_rank", type=int, help="(CLAWGATE_TRAIN_LORA_RANK)")
+    g.add_argument("--lora-alpha", dest="train_lora_alpha", type=int, help="(CLAWGATE_TRAIN_LORA_ALPHA)")
+    g.add_argument("--seed", dest="train_seed", type=int, help="(CLAWGATE_TRAIN_SEED)")
+    g.add_argument(
+        "--advantage",
+        dest="train_advantage",
+        choices=["group", "batch", "critic"],
+        help="group: GRPO for task runs, a batch baseline for everyday turns (default); batch: a batch baseline "
+        "for both; critic: PPO's value head (CLAWGATE_TRAIN_ADVANTAGE)",
+    )
+    g.add_argument(
+        "--min-turns", dest="train_min_turns", type=int, help="ready turns of everyday traffic a step waits for"
+    )
+    g.add_argument(
+        "--await-judge",
+        dest="train_await_judge",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="turns wait for the judge's verdict (default: when a judge model or reward function is set)",
+    )
+
+
+def train_config(settings: Settings, *, once: bool = False) -> TrainConfig:
+    from trainer import lora
+    from trainer.config import TrainConfig
+
+    config = TrainConfig(
+        model=settings.model,
+        database_url=settings.database_url,
+        adapter_dir=Path(settings.adapter_dir),
+        lr=settings.train_lr,
+        lora=lora.LoraSettings(rank=settings.train_lora_rank, alpha=settings.train_lora_alpha),
+        temperature=settings.train_temperature,
+        max_rollouts=settings.train_max_rollouts,
+        # A one-shot run trains on whatever is ready; the daemon waits for its trigger (loop.py).
+        min_rollouts=1,
+        max_staleness=settings.train_max_staleness,
+        group_wait=0.0 if once else settings.train_group_wait,
+        dtype=settings.train_dtype,
+        seed=settings.train_seed,
+        algorithm=settings.train_algorithm,
+        device=settings.train_device,
+        gradient_checkpointing=settings.train_gradient_checkpointing,
+        advantage="critic" if settings.train_algorithm == "ppo" else settings.train_advantage,
+        await_judge=settings.awaits_judge,
+    )
+    return config
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import threading
+
+    from gateway.store import db
+    from trainer import loop
+    from trainer.plan import describe
+    from trainer.progress import StepProgress
+    from trainer.publish import TrainerBusy, TrainerLock
+    from trainer.step import Trainer
+
+    settings = from_flags(args, TRAIN_SETTINGS)
+    setup_logging(settings.log_level)
+    config = train_config(settings, once=args.once)
+    if args.once and args.train_min_rollouts is not None:
+        config.min_rollouts = args.train_min_rollouts
+    engine = db.connect(settings.database_url)
+    lock = TrainerLock(config.adapter_dir)
+    try:
+        lock.acquire()
+    except TrainerBusy as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        engine.dispose()
+        return TRAINER_BUSY
+    stop = threading.Event()
+    try:
+        trainer = Trainer(config, engine)
+        trainer.progress = StepProgress()
+        print(f"policy@v{trainer.version} loaded from {config.adapter_dir}", file=sys.stderr, flush=True)
+        if args.once:
+            done = 0
+            for i in range(args.steps):
+                result = trainer.step()
+                if result is None:
+                    print(f"[{i + 1}/{args.steps}] no ready rollouts (need {config.min_rollouts})", file=sys.stderr)
+                    break
+                done += 1
+                print(f"[{i + 1}/{args.steps}] {describe(result)}", flush=True)
+            return 0 if done or args.allow_empty else 1
+        # The daemon: SIGTERM (docker stop, `clawgate up` shutting down) ends it between steps; a kill during a
+        # step is safe as well (nothing is recorded until the step commits).
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        cfg = loop.LoopConfig(
+            min_rollouts=settings.train_min_rollouts,
+            min_groups=settings.train_min_groups,
+            min_turns=settings.train_min_turns,
+            interval=settings.train_interval,
+            group_wait=settings.train_group_wait,
+            max_steps=args.max_steps,
+        )
+        print(
+            f"training when {cfg.min_rollouts} rollouts in {cfg.min_groups} groups, or {cfg.min_turns} turns "
+            f"of everyday traffic{' (judged)' if config.await_judge else ''}, are ready "
+            f"(looking every {cfg.interval:g}s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        loop.run(
+            trainer,
+            cfg,
+            stop=stop,
+            on_step=lambda r: print(describe(r), flush=True),
+            on_wait=lambda msg: print(msg, file=sys.stderr, flush=True),
+        )
+        return 0
+    finally:
+        lock.release()
+        engine.dispose()
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `train` to the `clawgate` parser."""
+    train = sub.add_parser("train", help="the trainer daemon (GRPO/PPO steps as rollouts become ready)")
+    train.add_argument("--once", action="store_true", help="run --steps steps over what is ready now and exit")
+    train.add_argument("--steps", type=int, default=1, help="with --once: steps to run")
+    train.add_argument("--max-steps", type=int, help="daemon: exit after this many steps")
+    train.add_argument("--model", help="base model (CLAWGATE_MODEL)")
+    train.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
+    train.add_argument("--allow-empty", action="store_true", help="with --once: exit 0 when nothing was ready")
+    train.add_argument("--log-level", help="(CLAWGATE_LOG_LEVEL)")
+    train_flags(train)
+    train.set_defaults(func=cmd_train)
+
+
+__all__ = ["TRAINER_BUSY", "TRAIN_FLAGS", "cmd_train", "register", "train_config", "train_flags"]
