@@ -486,5 +486,5 @@ def test_a_failed_step_is_recorded_as_failed_with_its_algorithm_and_the_loop_ret
     assert [tuple(s[:4]) for s in steps] == [("ppo", "failed", 0, None), ("ppo", "ok", 0, 1)]
     assert steps[0][4] == "RuntimeError: CUDA error: out of memory"
     assert trained == 4, "the data the failed step would have consumed was trained by the next one"
-    said = [r.getMessage() for r in caplog.records if r.name == "clawgate.trainer" and "train step failed" in r.getMessage()]
+    said = [m for r in caplog.records if r.name == "clawgate.trainer" and "train step failed" in (m := r.getMessage())]
     assert len(said) == 2 and "out of memory" in said[0] and "recovered" in said[1], "once when it starts and clears"
