@@ -26,6 +26,7 @@ from gateway.api import openai as openai_api
 from gateway.api import responses as responses_api
 from gateway.api import rollouts as rollouts_api
 from gateway.api import system as system_api
+from gateway.dashboard import routes as console_routes
 from gateway.engines.base import Engine
 from gateway.errors import APIError, BadRequest, EngineUnavailable
 from gateway.faults import Fault, describe
@@ -205,6 +206,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
     app.include_router(responses_api.router)
     app.include_router(rollouts_api.router)
     app.include_router(system_api.router)
+    app.include_router(console_routes.router)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, anthropic_path=is_anthropic_path)
     return app
