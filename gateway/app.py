@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway import __version__, rollouts
 from gateway.api import anthropic as anthropic_api
 from gateway.api import openai as openai_api
+from gateway.api import policy as policy_api
 from gateway.api import responses as responses_api
 from gateway.api import rollouts as rollouts_api
 from gateway.api import system as system_api
@@ -206,6 +207,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
     app.include_router(responses_api.router)
     app.include_router(rollouts_api.router)
     app.include_router(system_api.router)
+    app.include_router(policy_api.router)
     app.include_router(console_routes.router)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, anthropic_path=is_anthropic_path)

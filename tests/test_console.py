@@ -228,6 +228,20 @@ def test_the_console_shows_what_serves_what_learns_and_what_happened(console, ch
         assert "current" in page.inner_text("#policy-versions tr.current")
         page.screenshot(path=str(shots / "versions.png"), full_page=True)
 
+        # Pin, unpin and roll back from the page change what the gateway serves (as /health reports it).
+        def health_policy() -> tuple[int | None, int | None]:
+            policy = httpx.get(console.url + "/health").json()["policy"]
+            return policy["version"], policy["pinned_version"]
+
+        page.click('tr[data-version="0"] button.pin')
+        assert page.url == console.url + "/dashboard/versions"
+        assert health_policy() == (0, 0) and "Pinned to policy@v0" in page.inner_text("#policy-control")
+        page.screenshot(path=str(shots / "versions-pinned.png"), full_page=True)
+        page.click("#unpin")
+        assert health_policy() == (2, None)
+        page.click('tr[data-version="1"] button.rollback')
+        assert health_policy() == (1, 1) and "rollback" in page.inner_text("#policy-control")
+
         # Signing out ends the session.
         page.click("header button")
         page.goto(console.url + "/dashboard")
@@ -235,7 +249,8 @@ def test_the_console_shows_what_serves_what_learns_and_what_happened(console, ch
         browser.close()
     assert not errors, errors
     assert sorted(p.name for p in shots.iterdir()) == [
-        "login.png", "overview.png", "rewards.png", "rollout.png", "rollouts.png", "steps.png", "versions.png",
+        "login.png", "overview.png", "rewards.png", "rollout.png", "rollouts.png", "steps.png", "versions-pinned.png",
+        "versions.png",
     ]  # fmt: skip
 
 

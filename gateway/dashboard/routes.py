@@ -23,12 +23,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from gateway import rollouts
+from gateway.api import policy as policy_api
 from gateway.api.deps import State
 from gateway.api.system import training_counts
 from gateway.dashboard import auth, charts
 from gateway.errors import NotFound
 from gateway.state import AppState
-from gateway.store import console
+from gateway.store import console, policy_control
 from trainer.data import load_rollout
 
 router = APIRouter(include_in_schema=False)
@@ -316,11 +317,35 @@ def _rollout_view(state: AppState, rollout_id: str) -> dict[str, Any]:
 
 
 @router.get("/dashboard/versions")
-async def versions_page(request: Request, state: State) -> Response:
+async def versions_page(request: Request, state: State, error: str | None = None) -> Response:
     if not logged_in(request, state):
         return _to_login(request)
-    versions = await asyncio.to_thread(console.versions, state.db)
-    return render(state, "versions.html", title="Policy versions", versions=list(reversed(versions)))
+    versions, control = await asyncio.gather(
+        asyncio.to_thread(console.versions, state.db), asyncio.to_thread(policy_control.read, state.db)
+    )
+    return render(
+        state, "versions.html", title="Versions", versions=list(reversed(versions)), control=control, error=error
+    )
+
+
+@router.post("/dashboard/policy/{action}")
+async def policy_action(request: Request, state: State, action: str) -> Response:
+    """The versions page's buttons: pin, unpin, roll back (the same changes as ``/v1/policy/...``)."""
+    if not logged_in(request, state):
+        return _to_login(request)
+    form = parse_qs((await request.body()).decode("utf-8", "replace"))
+    raw = (form.get("version") or [""])[0]
+    changes: dict[str, Any] = {"pin": policy_control.pin, "rollback": policy_control.request_rollback}
+    try:
+        if action == "unpin":
+            await policy_api.apply(state, policy_control.unpin)
+        elif action in changes and raw.isdigit():
+            await policy_api.apply(state, changes[action], int(raw))
+        else:
+            raise NotFound(f"no policy action {action!r} for version {raw!r}")
+    except NotFound as exc:
+        return RedirectResponse("/dashboard/versions?" + urlencode({"error": exc.message}), status_code=303)
+    return RedirectResponse("/dashboard/versions", status_code=303)
 
 
 __all__ = ["router"]

@@ -74,6 +74,8 @@ class VersionRow:
     eval_reward: Spread  # the same, for evaluation rollouts only (pass rates when rewards are 0/1)
     trained_rollouts: int = 0  # rollouts consumed by the step that published this version
     trained_turns: int = 0
+    parent_version: int | None = None
+    rolled_back_from: int | None = None
 
 
 def versions(db: sa.Engine, limit: int = 200) -> list[VersionRow]:
@@ -127,6 +129,8 @@ def versions(db: sa.Engine, limit: int = 200) -> list[VersionRow]:
                 eval_reward=Spread.of(evals.get(v.version, [])),
                 trained_rollouts=int(trained_r.get(v.version, 0)),
                 trained_turns=int(trained_t.get(v.version, 0)),
+                parent_version=v.parent_version,
+                rolled_back_from=v.rolled_back_from,
             )
             for v in rows
         ]
