@@ -22,8 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import __version__, rollouts
 from gateway.api import anthropic as anthropic_api
-from gateway.api import openai as openai_api
 from gateway.api import docs as docs_api
+from gateway.api import openai as openai_api
 from gateway.api import policy as policy_api
 from gateway.api import responses as responses_api
 from gateway.api import rollouts as rollouts_api
