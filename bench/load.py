@@ -9,6 +9,10 @@ and the check that matters: the database holds exactly the calls the clients rec
 
     .venv/bin/python bench/load.py [--sessions 200] [--turns 5]            # load
     .venv/bin/python bench/load.py --sessions 50 --duration 600            # soak: RSS growth over 10 minutes
+    .venv/bin/python bench/load.py --vllm --sessions 16                     # through a real vLLM CPU server
+
+With ``--vllm`` the gateway serves through a vLLM CPU server on the tiny model (started from ``.venv-vllm`` or
+``CLAWGATE_VLLM_PYTHON``); answers run to ``max_tokens`` (64), as the tiny model never ends its turn.
 """
 
 from __future__ import annotations
@@ -59,9 +63,11 @@ class FastEngine:
             yield TokenDelta([tid], [-0.5])
         yield GenerationEnd("stop", end, len(request.prompt_ids))
 
+vllm_url = sys.argv[7] if len(sys.argv) > 7 else ""
+engine = {"engine": "vllm", "vllm_url": vllm_url, "vllm_model": "tiny"} if vllm_url else {}
 settings = Settings(model=model, served_model_name="tiny", database_url=url, port=int(port), data_dir=data,
-                    policy_follow=False, max_concurrent_calls=0)
-app = build_app(settings, engine=FastEngine(), tokenizer=tokenizer)
+                    policy_follow=False, max_concurrent_calls=0, **engine)
+app = build_app(settings, engine=None if vllm_url else FastEngine(), tokenizer=tokenizer)
 uvicorn.run(app, host="127.0.0.1", port=int(port), log_level="warning", access_log=False)
 """
 
@@ -148,6 +154,7 @@ async def main() -> None:
         "--database-url",
         default=os.environ.get("CLAWGATE_BENCH_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres"),
     )
+    ap.add_argument("--vllm", action="store_true", help="serve through a vLLM CPU server instead of a scripted engine")
     args = ap.parse_args()
 
     from clawgate.tiny_model import build_tiny_model
@@ -164,6 +171,15 @@ async def main() -> None:
             conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
         url = url.rsplit("/", 1)[0] + "/" + name
     db.upgrade(url)
+    vllm = None
+    if args.vllm:
+        from gateway.engines.vllm_server import VLLMServer, find_vllm_python
+
+        python = find_vllm_python(None)
+        if python is None:
+            sys.exit("no vLLM install: ./dev setup-vllm (or set CLAWGATE_VLLM_PYTHON)")
+        vllm = VLLMServer(python, model, served_model_name="tiny", max_model_len=2048, log_path=tmp / "vllm.log")
+        vllm.start(timeout=300)
     port = free_port()
     server = subprocess.Popen(
         [
@@ -176,6 +192,7 @@ async def main() -> None:
             str(tmp / "data"),
             str(args.tokens),
             str(args.token_ms),
+            vllm.url if vllm is not None else "",
         ],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -189,6 +206,8 @@ async def main() -> None:
                         break
                 except httpx.HTTPError:
                     pass
+                if server.poll() is not None:
+                    sys.exit(f"the gateway exited ({server.returncode}) before it answered")
                 await asyncio.sleep(0.1)
             cpu0, rss0 = proc_stats(server.pid)
             out: dict = {"calls": [], "errors": [], "latency": [], "ttft": []}
@@ -217,6 +236,8 @@ async def main() -> None:
     finally:
         server.terminate()
         server.wait(60)
+        if vllm is not None:
+            vllm.stop()
         if admin is not None:
             with admin.connect() as conn:
                 conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
@@ -224,14 +245,18 @@ async def main() -> None:
 
     calls = len(out["calls"])
     rate = calls / elapsed
-    print(f"{args.sessions} concurrent streaming sessions, {calls} calls in {elapsed:.1f} s ({rate:.0f} calls/s)")
+    scripted = f"a scripted engine ({args.tokens} tokens, {args.token_ms} ms apart)"
+    upstream = "vLLM CPU (tiny model)" if args.vllm else scripted
+    print(f"{args.sessions} concurrent streaming sessions through {upstream}")
+    print(f"{calls} calls in {elapsed:.1f} s ({rate:.0f} calls/s)")
     print(f"errors: {len(out['errors'])}" + (f" (first: {out['errors'][0]})" if out["errors"] else ""))
     print(
         f"latency p50 {pct(out['latency'], 0.5):.0f} ms, p95 {pct(out['latency'], 0.95):.0f} ms, "
         f"p99 {pct(out['latency'], 0.99):.0f} ms; "
         f"TTFT p50 {pct(out['ttft'], 0.5):.0f} ms, p95 {pct(out['ttft'], 0.95):.0f} ms"
     )
-    print(f"gateway CPU {(cpu1 - cpu0) / max(calls, 1) * 1000:.2f} ms per call ({args.tokens} tokens streamed each)")
+    streamed = "up to 64" if args.vllm else str(args.tokens)
+    print(f"gateway CPU {(cpu1 - cpu0) / max(calls, 1) * 1000:.2f} ms per call ({streamed} tokens streamed each)")
     print(
         "gateway RSS MiB over time: "
         + ", ".join(f"{t:.0f}s {r:.0f}" for t, r in rss_samples[:: max(len(rss_samples) // 12, 1)])

@@ -22,10 +22,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import __version__
 from gateway.api import anthropic as anthropic_api
+from gateway.api import docs as docs_api
 from gateway.api import openai as openai_api
+from gateway.api import policy as policy_api
 from gateway.api import responses as responses_api
 from gateway.api import rollouts as rollouts_api
 from gateway.api import system as system_api
+from gateway.dashboard import routes as console_routes
 from gateway.end_of_turn import end_token_ids, generation_eos_ids
 from gateway.engines.base import Engine
 from gateway.errors import APIError, BadRequest, EngineUnavailable
@@ -187,12 +190,18 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
             await writer.close(timeout=30.0)
             store.dispose()
 
-    app = FastAPI(title="clawgate", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    # The schema and documentation pages are served by gateway/api/docs.py (admin-only in production).
+    app = FastAPI(
+        title="clawgate", version=__version__, lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None
+    )
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(responses_api.router)
     app.include_router(rollouts_api.router)
     app.include_router(system_api.router)
+    app.include_router(policy_api.router)
+    app.include_router(console_routes.router)
+    app.include_router(docs_api.router)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, anthropic_path=is_anthropic_path)
     return app

@@ -14,6 +14,9 @@ The trainer publishes ``policy@vN`` by writing its directory and then committing
 
 A version that fails to load or to answer is reported (log, metric) and skipped; the gateway keeps serving the
 version it had. If the engine lost the current adapter (a restarted engine), it is loaded again.
+
+An operator's pin (``store/policy_control.py``) overrides "the newest": the follower swaps to the pinned version,
+older or newer, and stays on it until it is unpinned.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from gateway.faults import Fault, describe
 from gateway.metrics import Metrics
 from gateway.service import ChatService
 from gateway.settings import Settings
+from gateway.store import policy_control
 from gateway.store.models import PolicyVersion
 
 log = logging.getLogger("clawgate.policy")
@@ -94,6 +98,7 @@ class PolicyFollower:
         self.current: int | None = None
         self.loaded: dict[int, str] = {}  # version -> adapter name, of the versions this gateway loaded, oldest first
         self.failed: set[int] = set()
+        self.pinned: int | None = None  # the operator's pin, as last read (store/policy_control.py)
         self.last_swap_seconds: float | None = None  # load + verify + route of the latest swap
         self._lock = asyncio.Lock()
         self.fault = Fault(log, "policy follower: cannot look for new versions")
@@ -114,10 +119,16 @@ class PolicyFollower:
             interval = self.settings.policy_poll_interval
 
     async def sync(self) -> int | None:
-        """One look for a newer version; returns the version served afterwards (None: the base model)."""
+        """One look for the version to serve — the pinned one, else the newest — and a swap to it when it is not
+        served yet; returns the version served afterwards (None: the base model)."""
         async with self._lock:
             await self._ensure_current_loaded()
-            row = await asyncio.to_thread(newest_version, self.db, self.current)
+            control = await asyncio.to_thread(policy_control.read, self.db)
+            self.pinned = control.pinned_version
+            if self.pinned is not None:
+                row = None if self.pinned == self.current else await asyncio.to_thread(_get, self.db, self.pinned)
+            else:
+                row = await asyncio.to_thread(newest_version, self.db, self.current)
             if row is not None and row.version not in self.failed:
                 await self._swap_to(row)
             await self._retire()

@@ -132,10 +132,11 @@ class ThrowawayCluster:
         self._dir: Path | None = None
         self._started = False
         self._prefix: list[str] = []
+        self._options = ""
 
     def start(self) -> str:
         self._dir = Path(tempfile.mkdtemp(prefix="clawgate-pg-"))
-        data, log = self._dir / "data", self._dir / "server.log"
+        data = self._dir / "data"
         port = _free_port()
         if os.geteuid() == 0:
             # initdb refuses to run as root; run the server as the packaged `postgres` user.
@@ -143,10 +144,22 @@ class ThrowawayCluster:
             os.chown(self._dir, user.pw_uid, user.pw_gid)
             self._prefix = ["runuser", "-u", "postgres", "--"]
         self._run(_find_bin("initdb"), "-D", str(data), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync")
-        options = f"-p {port} -k {self._dir} -c listen_addresses=127.0.0.1 -c fsync=off"
-        self._run(_find_bin("pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w", "-t", "60", "start")
-        self._started = True
+        self._options = f"-p {port} -k {self._dir} -c listen_addresses=127.0.0.1 -c fsync=off"
+        self.resume()
         return f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+
+    def pause(self) -> None:
+        """Stop the server (its data stays): connections are cut and new ones refused until ``resume``."""
+        assert self._dir is not None and self._started
+        self._run(_find_bin("pg_ctl"), "-D", str(self._dir / "data"), "-m", "fast", "-w", "-t", "60", "stop")
+        self._started = False
+
+    def resume(self) -> None:
+        """Start the server on its data directory and port."""
+        assert self._dir is not None and not self._started
+        data, log = self._dir / "data", self._dir / "server.log"
+        self._run(_find_bin("pg_ctl"), "-D", str(data), "-l", str(log), "-o", self._options, "-w", "-t", "60", "start")
+        self._started = True
 
     def stop(self) -> None:
         if self._dir is None:

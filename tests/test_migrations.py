@@ -23,6 +23,7 @@ TABLES = {
     "trained_rollouts",
     "judgements",
     "trained_turns",
+    "policy_control",
 }
 
 

@@ -99,9 +99,12 @@ def test_a_broken_version_is_skipped_and_serving_goes_on(gateway_factory, tiny_m
     wait_for(lambda: 2 in gw.state.policy.failed, what="policy@v2 to be rejected")
     assert gw.state.service.policy_version == 1
     assert served_versions(gw, chat(gw)) == [("policy@v1", 1)]
-    assert "clawgate_policy_swap_failures_total 1.0" in httpx.get(gw.url + "/metrics").text
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert "clawgate_policy_swap_failures_total 1.0" in metrics
+    assert "clawgate_policy_staleness 1.0" in metrics, "v2 is the newest published, v1 serves"
     publish(url, adapters, tiny_model_dir, 3)
     wait_for(lambda: gw.state.service.policy_version == 3, what="policy@v3")
+    assert "clawgate_policy_staleness 0.0" in httpx.get(gw.url + "/metrics").text
     assert bad.exists()
 
 

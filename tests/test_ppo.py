@@ -455,3 +455,38 @@ def test_trainer_options_change_lora_weights_only(store, tiny_model_dir, tmp_pat
     after = lora.lora_parameters(trainer.policy)
     assert any(not torch.equal(lora_before[n], p) for n, p in after.items())
     assert all(torch.equal(base_before[n], p) for n, p in lora.base_parameters(trainer.policy).items())
+
+
+def test_a_failed_step_is_recorded_as_failed_with_its_algorithm_and_the_loop_retries(
+    store, tiny_model_dir, tmp_path, engines, caplog
+):
+    """A step that raises (here an out-of-memory error on the first try) is recorded as a failed PPO step with its
+    error, and the daemon loop backs off and trains the same data on the next try."""
+    import threading
+
+    from trainer import loop
+
+    cfg = trainer_config(store, tiny_model_dir, tmp_path, algorithm="ppo")
+    engines.append(engine := connect(cfg.database_url))
+    trainer = Trainer(cfg, engine)
+    real_step, tries = trainer.step, []
+
+    def flaky_step() -> Any:
+        tries.append(1)
+        if len(tries) == 1:
+            raise RuntimeError("CUDA error: out of memory")
+        return real_step()
+
+    trainer.step = flaky_step  # type: ignore[method-assign]
+    config = loop.LoopConfig(min_rollouts=1, min_groups=1, interval=0.05, max_steps=1, max_backoff=0.1)
+    assert loop.run(trainer, config, stop=threading.Event()) == 1
+    with engine.connect() as conn:
+        steps = conn.execute(
+            sa.text("SELECT algorithm, status, base_version, version, error FROM train_steps ORDER BY id")
+        ).all()
+        trained = conn.execute(sa.text("SELECT count(*) FROM trained_rollouts")).scalar()
+    assert [tuple(s[:4]) for s in steps] == [("ppo", "failed", 0, None), ("ppo", "ok", 0, 1)]
+    assert steps[0][4] == "RuntimeError: CUDA error: out of memory"
+    assert trained == 4, "the data the failed step would have consumed was trained by the next one"
+    said = [m for r in caplog.records if r.name == "clawgate.trainer" and "train step failed" in (m := r.getMessage())]
+    assert len(said) == 2 and "out of memory" in said[0] and "recovered" in said[1], "once when it starts and clears"

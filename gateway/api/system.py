@@ -37,6 +37,7 @@ async def health(state: State) -> Response:
     policy: dict[str, Any] = {"adapter": state.service.adapter, "version": state.service.policy_version}
     if state.policy is not None:
         policy.update(state.policy.fault.snapshot())
+        policy["pinned_version"] = state.policy.pinned
     degraded = not engine_ok or capture["state"] != "ok" or policy.get("state", "ok") != "ok"
     body: dict[str, Any] = {
         "status": "degraded" if degraded else "ok",

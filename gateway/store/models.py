@@ -188,6 +188,22 @@ class PolicyVersion(Base):
     # When a gateway first had it loaded in its engine, and when it first routed new calls to it.
     loaded_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     current_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    # The version it was trained from; a rollback republishes an earlier version's weights as a new version.
+    parent_version: Mapped[int | None] = mapped_column(sa.Integer)
+    rolled_back_from: Mapped[int | None] = mapped_column(sa.Integer)  # the version whose weights it copies
+
+
+class PolicyControl(Base):
+    """The operator's hold on what is served (one row, id 1): a pinned version every gateway serves until unpinned,
+    and a rollback the trainer has yet to carry out (republish that version's weights as a new version and train on
+    from it). Versions themselves stay immutable and their numbers monotonic."""
+
+    __tablename__ = "policy_control"
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=False)
+    pinned_version: Mapped[int | None] = mapped_column(sa.Integer)
+    rollback_to: Mapped[int | None] = mapped_column(sa.Integer)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class TrainStep(Base):

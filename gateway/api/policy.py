@@ -1,0 +1,82 @@
+"""Policy-control routes (admin key): which version serves, pin one, unpin, roll back.
+
+``GET /v1/policy`` lists the versions and says what this gateway serves, what is pinned and which rollback the
+trainer has yet to carry out. Pin and rollback take effect on every gateway at its next policy poll
+(``CLAWGATE_POLICY_POLL_INTERVAL``); this gateway looks at once, so its answer already shows the change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter
+
+from gateway.api.deps import AdminAuth, State
+from gateway.errors import NotFound
+from gateway.protocol.policy import VersionChoice
+from gateway.state import AppState
+from gateway.store import console, policy_control
+
+router = APIRouter()
+
+
+async def describe_policy(state: AppState) -> dict[str, Any]:
+    control, versions = await asyncio.gather(
+        asyncio.to_thread(policy_control.read, state.db), asyncio.to_thread(console.versions, state.db)
+    )
+    return {
+        "object": "policy",
+        "served": {"adapter": state.service.adapter, "version": state.service.policy_version},
+        "pinned_version": control.pinned_version,
+        "rollback_to": control.rollback_to,
+        "versions": [
+            {
+                "version": v.version,
+                "adapter": v.adapter_name,
+                "status": v.status,
+                "current": v.is_current,
+                "parent_version": v.parent_version,
+                "rolled_back_from": v.rolled_back_from,
+                "created_at": v.created_at.isoformat(),
+                "current_at": v.current_at.isoformat() if v.current_at else None,
+                "metrics": v.metrics,
+            }
+            for v in versions
+        ],
+    }
+
+
+async def apply(state: AppState, change: Any, *args: int) -> dict[str, Any]:
+    """Write the change, let this gateway's follower act on it now, and describe the result."""
+    try:
+        await asyncio.to_thread(change, state.db, *args)
+    except policy_control.UnknownVersion as exc:
+        raise NotFound(str(exc), param="version") from None
+    if state.policy is not None:
+        await state.policy.sync()
+    return await describe_policy(state)
+
+
+@router.get("/v1/policy", dependencies=[AdminAuth])
+async def get_policy(state: State) -> dict[str, Any]:
+    return await describe_policy(state)
+
+
+@router.post("/v1/policy/pin", dependencies=[AdminAuth])
+async def pin(body: VersionChoice, state: State) -> dict[str, Any]:
+    """Serve ``version`` on every gateway until unpinned (the trainer may go on publishing meanwhile)."""
+    return await apply(state, policy_control.pin, body.version)
+
+
+@router.post("/v1/policy/unpin", dependencies=[AdminAuth])
+async def unpin(state: State) -> dict[str, Any]:
+    """Serve the newest version again (withdraws a rollback the trainer has not carried out yet)."""
+    return await apply(state, policy_control.unpin)
+
+
+@router.post("/v1/policy/rollback", dependencies=[AdminAuth])
+async def rollback(body: VersionChoice, state: State) -> dict[str, Any]:
+    """Serve ``version`` now and have the trainer continue from it: it republishes that version's weights as a new
+    version and trains on from there."""
+    return await apply(state, policy_control.request_rollback, body.version)

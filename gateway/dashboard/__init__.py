@@ -1,0 +1,1 @@
+"""The operator console: server-rendered pages at ``/dashboard`` (``routes.py``) with SVG charts (``charts.py``)."""

@@ -1,0 +1,350 @@
+"""The operator console at ``/dashboard``: server-rendered pages over the store, behind the admin key.
+
+Pages: overview (what serves, traffic, capture, backlog, the trainer's last step), rewards per policy version and
+per task × harness, train-step charts, a filterable rollout table, one rollout in full (decoded prompts and
+completions, per-token logprobs, rewards with their reasons, the prefix tree with what was filtered and why), and
+the policy versions. Every query runs on a thread; the pages are plain HTML with inline SVG charts and no script,
+so they work offline. Login: a form takes the admin key once and sets a signed, HttpOnly session cookie
+(``auth.py``); without an admin key (development only) the console is open, like the admin API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import functools
+import hmac
+import math
+from typing import Any
+from urllib.parse import parse_qs, urlencode
+
+import jinja2
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+
+from gateway.api import policy as policy_api
+from gateway.api.deps import State
+from gateway.dashboard import auth, charts
+from gateway.errors import NotFound
+from gateway.state import AppState
+from gateway.store import console, policy_control, rollouts
+from gateway.store.readiness import training_counts
+from gateway.store.training_data import load_rollout
+
+router = APIRouter(include_in_schema=False)
+PAGE_SIZE = 50
+STEP_CHARTS = (  # (metric, label); the clip fraction, tokens/s and seconds are derived below
+    ("loss", "loss"),
+    ("reward_mean", "reward mean (rollouts)"),
+    ("turn_reward_mean", "reward mean (turns)"),
+    ("approx_kl", "KL (to the sampling policy)"),
+    ("entropy", "entropy"),
+    ("clip_frac", "clip fraction"),
+    ("grad_norm", "grad norm"),
+    ("tokens_per_s", "tokens/s"),
+    ("seconds", "step seconds"),
+)
+
+
+@functools.cache
+def templates() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("gateway.dashboard", "templates"),
+        autoescape=jinja2.select_autoescape(["html"]),
+        undefined=jinja2.StrictUndefined,
+    )
+    env.filters["ago"] = _ago
+    env.filters["num"] = _num
+    env.globals["logprob_colour"] = charts.logprob_colour
+    return env
+
+
+def _ago(when: dt.datetime | None) -> str:
+    if when is None:
+        return "—"
+    seconds = (dt.datetime.now(dt.UTC) - when).total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit} ago"
+    return f"{max(seconds, 0):.0f} s ago"
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:,.0f}"
+
+
+def render(state: AppState, name: str, **context: Any) -> HTMLResponse:
+    body = (
+        templates().get_template(name).render(served_model=state.settings.model_name, policy=_policy(state), **context)
+    )
+    return HTMLResponse(body, headers={"Cache-Control": "no-store"})
+
+
+def _policy(state: AppState) -> dict[str, Any]:
+    return {"adapter": state.service.adapter, "version": state.service.policy_version}
+
+
+def _admin_key(state: AppState) -> str | None:
+    key = state.settings.admin_key
+    return key.get_secret_value() if key is not None else None
+
+
+def logged_in(request: Request, state: AppState) -> bool:
+    key = _admin_key(state)
+    if key is None:  # no admin key: only development gets here (production refuses to start without one)
+        return state.settings.environment == "development"
+    return auth.valid(key, request.cookies.get(auth.COOKIE))
+
+
+def _to_login(request: Request) -> RedirectResponse:
+    return RedirectResponse("/dashboard/login?" + urlencode({"next": request.url.path}), status_code=303)
+
+
+def _safe_next(value: str | None) -> str:
+    # Only a console path: never an absolute URL or a scheme-relative one (an open redirect).
+    if value and value.startswith("/dashboard") and not value.startswith("//"):
+        return value
+    return "/dashboard"
+
+
+@router.get("/dashboard/login")
+async def login_form(request: Request, state: State, next: str | None = None) -> Response:
+    return render(state, "login.html", next=_safe_next(next), error=None, title="Sign in")
+
+
+@router.post("/dashboard/login")
+async def login(request: Request, state: State) -> Response:
+    form = parse_qs((await request.body()).decode("utf-8", "replace"))
+    typed = (form.get("key") or [""])[0]
+    target = _safe_next((form.get("next") or [""])[0])
+    key = _admin_key(state)
+    if key is None:
+        return RedirectResponse(target, status_code=303)
+    if not hmac.compare_digest(typed.encode(), key.encode()):
+        page = render(state, "login.html", next=target, error="That is not the admin key.", title="Sign in")
+        page.status_code = 401
+        return page
+    response = RedirectResponse(target, status_code=303)
+    response.set_cookie(
+        auth.COOKIE,
+        auth.issue(key),
+        max_age=auth.LIFETIME_S,
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+        path="/dashboard",
+    )
+    return response
+
+
+@router.post("/dashboard/logout")
+async def logout(request: Request) -> Response:
+    response = RedirectResponse("/dashboard/login", status_code=303)
+    response.delete_cookie(auth.COOKIE, path="/dashboard")
+    return response
+
+
+@router.get("/dashboard")
+async def overview(request: Request, state: State) -> Response:
+    if not logged_in(request, state):
+        return _to_login(request)
+    traffic, backlog, counts, versions = await asyncio.gather(
+        asyncio.to_thread(console.traffic, state.db),
+        asyncio.to_thread(console.backlog, state.db),
+        asyncio.to_thread(training_counts, state.db, state.settings.awaits_judge),
+        asyncio.to_thread(console.versions, state.db, 1000),
+    )
+    serving = next((v for v in versions if v.version == state.service.policy_version), None)
+    capture = {**state.writer.fault.snapshot(), "queued": state.writer.stats.queued}
+    follower = state.policy.fault.snapshot() if state.policy is not None else None
+    return render(
+        state,
+        "overview.html",
+        title="Overview",
+        traffic=traffic,
+        backlog=backlog,
+        counts=counts,
+        serving=serving,
+        swaps=sum(1 for v in versions if v.current_at is not None),
+        capture=capture,
+        follower=follower,
+        settings=state.settings,
+    )
+
+
+@router.get("/dashboard/rewards")
+async def rewards(request: Request, state: State) -> Response:
+    if not logged_in(request, state):
+        return _to_login(request)
+    versions, groups = await asyncio.gather(
+        asyncio.to_thread(console.versions, state.db), asyncio.to_thread(console.reward_by_task_and_harness, state.db)
+    )
+    chart = charts.line_chart(
+        "mean reward per policy version",
+        [
+            charts.Series("turn reward", [(v.version, v.turn_reward.mean) for v in versions]),
+            charts.Series("rollout reward", [(v.version, v.rollout_reward.mean) for v in versions]),
+            charts.Series("eval reward", [(v.version, v.eval_reward.mean) for v in versions]),
+        ],
+        x_label="policy version",
+        y_label="reward",
+    )
+    return render(state, "rewards.html", title="Rewards", versions=versions, groups=groups, chart=chart)
+
+
+@router.get("/dashboard/steps")
+async def steps(request: Request, state: State) -> Response:
+    if not logged_in(request, state):
+        return _to_login(request)
+    rows = await asyncio.to_thread(console.train_steps, state.db)
+    ok = [s for s in rows if s.status == "ok"]
+    figures = []
+    for key, label in STEP_CHARTS:
+        points = [(s.id, _step_figure(s, key)) for s in ok]
+        if key in ("turn_reward_mean", "entropy") and not any(y is not None for _, y in points):
+            continue  # figures a run never produces (no turns, entropy not computed) get no empty chart
+        figures.append((label, charts.line_chart(label, [charts.Series(label, points)], x_label="step")))
+    return render(state, "steps.html", title="Train steps", steps=list(reversed(rows[-100:])), figures=figures)
+
+
+def _step_figure(step: console.StepRow, key: str) -> float | None:
+    if key == "seconds":
+        return step.seconds
+    if key == "tokens_per_s":
+        return step.tokens_processed / step.seconds if step.seconds else None
+    if key == "clip_frac":
+        low, high = _metric(step.metrics, "clip_frac_low"), _metric(step.metrics, "clip_frac_high")
+        return None if low is None and high is None else (low or 0.0) + (high or 0.0)
+    return _metric(step.metrics, key)
+
+
+def _metric(metrics: dict[str, Any], key: str) -> float | None:
+    value = metrics.get(key)
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+@router.get("/dashboard/rollouts")
+async def rollout_list(
+    request: Request,
+    state: State,
+    task_id: str | None = None,
+    harness: str | None = None,
+    status: str | None = None,
+    policy_version: str | None = None,
+    page: int = 1,
+) -> Response:
+    if not logged_in(request, state):
+        return _to_login(request)
+    version = int(policy_version) if policy_version and policy_version.strip().isdigit() else None
+    where = console.RolloutFilter(task_id or None, harness or None, status or None, version)
+    page = max(page, 1)
+    rows, total = await asyncio.to_thread(
+        console.rollouts_page, state.db, where, offset=(page - 1) * PAGE_SIZE, limit=PAGE_SIZE
+    )
+    query = {k: v for k, v in {"task_id": task_id, "harness": harness, "status": status}.items() if v}
+    if version is not None:
+        query["policy_version"] = str(version)
+    pages = max((total + PAGE_SIZE - 1) // PAGE_SIZE, 1)
+    return render(
+        state,
+        "rollouts.html",
+        title="Rollouts",
+        rows=rows,
+        total=total,
+        page=page,
+        pages=pages,
+        filters=query,
+        link=lambda p: "/dashboard/rollouts?" + urlencode({**query, "page": p}),
+    )
+
+
+@router.get("/dashboard/rollouts/{rollout_id}")
+async def rollout_detail(request: Request, state: State, rollout_id: str) -> Response:
+    if not logged_in(request, state):
+        return _to_login(request)
+    try:
+        view = await asyncio.to_thread(_rollout_view, state, rollout_id)
+    except NotFound:
+        page = render(state, "missing.html", title="Not found", what=f"rollout {rollout_id}")
+        page.status_code = 404
+        return page
+    return render(state, "rollout.html", title=f"Rollout {rollout_id}", **view)
+
+
+def _rollout_view(state: AppState, rollout_id: str) -> dict[str, Any]:
+    """The rollout's calls decoded (the prompt's new part, the completion token by token), rewards and tree."""
+    data = rollouts.detail(state.db, rollout_id, with_tokens=True)
+    tok = state.tokenizer
+    by_id = {c["id"]: c for c in data["calls"]}
+    rewards_of: dict[str | None, list[dict[str, Any]]] = {}
+    for r in data["rewards"]:
+        rewards_of.setdefault(r["call_id"], []).append(r)
+    calls = []
+    for c in data["calls"]:
+        prompt = c["prompt_token_ids"]
+        parent = by_id.get(c["parent_call_id"] or "")
+        start = 0
+        if parent is not None:
+            before = parent["prompt_token_ids"] + parent["completion_token_ids"]
+            if prompt[: len(before)] == before:
+                start = len(before)
+        suffix = prompt[start:]
+        shown = suffix[-2000:]  # a fresh harness prompt can be 30k tokens: its end is what the model answered
+        pieces = [tok.decode([t], skip_special_tokens=False) for t in c["completion_token_ids"]]
+        calls.append(
+            {
+                **c,
+                "prompt_from": start,
+                "prompt_cut": len(suffix) - len(shown),
+                "prompt_text": tok.decode(shown, skip_special_tokens=False),
+                "tokens": list(zip(pieces, c["completion_logprobs"], strict=True)),
+                "rewards": rewards_of.get(c["id"], []),
+            }
+        )
+    tree = load_rollout(state.db, rollout_id)
+    return {
+        "rollout": data,
+        "calls": calls,
+        "rollout_rewards": rewards_of.get(None, []),
+        "tree_text": tree.tree.render_text(max_lines=400) if tree is not None else "",
+        "filtered": tree.tree.to_json()["filtered"] if tree is not None else [],
+    }
+
+
+@router.get("/dashboard/versions")
+async def versions_page(request: Request, state: State, error: str | None = None) -> Response:
+    if not logged_in(request, state):
+        return _to_login(request)
+    versions, control = await asyncio.gather(
+        asyncio.to_thread(console.versions, state.db), asyncio.to_thread(policy_control.read, state.db)
+    )
+    return render(
+        state, "versions.html", title="Versions", versions=list(reversed(versions)), control=control, error=error
+    )
+
+
+@router.post("/dashboard/policy/{action}")
+async def policy_action(request: Request, state: State, action: str) -> Response:
+    """The versions page's buttons: pin, unpin, roll back (the same changes as ``/v1/policy/...``)."""
+    if not logged_in(request, state):
+        return _to_login(request)
+    form = parse_qs((await request.body()).decode("utf-8", "replace"))
+    raw = (form.get("version") or [""])[0]
+    changes: dict[str, Any] = {"pin": policy_control.pin, "rollback": policy_control.request_rollback}
+    try:
+        if action == "unpin":
+            await policy_api.apply(state, policy_control.unpin)
+        elif action in changes and raw.isdigit():
+            await policy_api.apply(state, changes[action], int(raw))
+        else:
+            raise NotFound(f"no policy action {action!r} for version {raw!r}")
+    except NotFound as exc:
+        return RedirectResponse("/dashboard/versions?" + urlencode({"error": exc.message}), status_code=303)
+    return RedirectResponse("/dashboard/versions", status_code=303)
+
+
+__all__ = ["router"]

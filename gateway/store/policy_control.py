@@ -1,0 +1,92 @@
+"""The operator's control over the served policy: pin a version, unpin, roll back.
+
+- **Pin**: every gateway serves the pinned version (its policy follower swaps to it, even to an older one) until it is
+  unpinned; the trainer may keep training and publishing, but nothing new is served meanwhile.
+- **Roll back** to version V: V is pinned at once (so serving goes back now), and the trainer is asked to continue
+  from V: it republishes V's weights as a new version N+1 (``rolled_back_from = V``) and, in the same transaction,
+  clears the request and the pin, so gateways move on to N+1 and later versions train from it. Versions stay
+  immutable and their numbers monotonic; every call still records the version that served it.
+
+One row (id 1) in ``policy_control`` holds both; it is written only through these functions.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from gateway.store.models import PolicyControl, PolicyVersion
+
+ROW_ID = 1
+
+
+class UnknownVersion(LookupError):
+    """The version asked for was never published."""
+
+
+@dataclass(frozen=True, slots=True)
+class Control:
+    pinned_version: int | None = None
+    rollback_to: int | None = None
+    updated_at: dt.datetime | None = None
+
+
+def read(db: sa.Engine) -> Control:
+    with Session(db) as session:
+        row = session.get(PolicyControl, ROW_ID)
+        return Control(row.pinned_version, row.rollback_to, row.updated_at) if row is not None else Control()
+
+
+def _row(session: Session) -> PolicyControl:
+    row = session.get(PolicyControl, ROW_ID, with_for_update=True)
+    if row is None:
+        row = PolicyControl(id=ROW_ID)
+        session.add(row)
+    return row
+
+
+def _require(session: Session, version: int) -> None:
+    if session.get(PolicyVersion, version) is None:
+        raise UnknownVersion(f"policy version {version} was never published")
+
+
+def pin(db: sa.Engine, version: int) -> Control:
+    with Session(db) as session, session.begin():
+        _require(session, version)
+        row = _row(session)
+        row.pinned_version, row.updated_at = version, dt.datetime.now(dt.UTC)
+        return Control(row.pinned_version, row.rollback_to, row.updated_at)
+
+
+def unpin(db: sa.Engine) -> Control:
+    """Serving follows the newest version again (a pending rollback is withdrawn too: it pins what it rolls to)."""
+    with Session(db) as session, session.begin():
+        row = _row(session)
+        row.pinned_version, row.rollback_to, row.updated_at = None, None, dt.datetime.now(dt.UTC)
+        return Control(None, None, row.updated_at)
+
+
+def request_rollback(db: sa.Engine, version: int) -> Control:
+    with Session(db) as session, session.begin():
+        _require(session, version)
+        row = _row(session)
+        row.pinned_version, row.rollback_to, row.updated_at = version, version, dt.datetime.now(dt.UTC)
+        return Control(row.pinned_version, row.rollback_to, row.updated_at)
+
+
+def complete_rollback(session: Session, rolled_back_to: int) -> None:
+    """Inside the transaction that records the republished version: the request is done and the pin released,
+    unless the operator has changed them in the meantime."""
+    row = session.get(PolicyControl, ROW_ID, with_for_update=True)
+    if row is None or row.rollback_to != rolled_back_to:
+        return
+    row.rollback_to = None
+    if row.pinned_version == rolled_back_to:
+        row.pinned_version = None
+    row.updated_at = dt.datetime.now(dt.UTC)
+
+
+__all__ = ["Control", "UnknownVersion", "complete_rollback", "pin", "read", "request_rollback", "unpin"]

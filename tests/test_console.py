@@ -1,0 +1,287 @@
+"""The operator console in a real headless Chromium (Debian's `chromium`, driven by Playwright; no browser download).
+
+A gateway on the tiny model serves task rollouts and everyday turns under three policy versions (published the
+way the trainer does and followed by the gateway), with rollout rewards, per-call feedback, a retried call and train
+steps. Then a browser: the console asks for the admin key (a wrong one is refused), every page loads with no console
+error, the charts are drawn from the data (one point per version that served rewarded turns), and a rollout's page
+shows its decoded calls, coloured tokens, rewards and the retry the tree filtered. Screenshots of every page land in
+the test's tmp dir (``screenshots/``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy.orm import Session
+
+from gateway.dashboard import auth, charts
+from gateway.store.db import connect
+from gateway.store.models import TrainStep
+from tests.missing import missing
+from tests.policies import publish
+
+ADMIN_KEY = "console-admin-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+CHROMIUM = os.environ.get("CLAWGATE_TEST_CHROMIUM", "/usr/bin/chromium")
+# Chromium's own background traffic is refused on a closed network: keep it quiet.
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def wait_for(predicate: Any, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def chat(base: str, content: str, headers: dict[str, str] | None = None, **extra: Any) -> httpx.Response:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 6, **extra}
+    r = httpx.post(base + "/chat/completions", json=body, headers=headers or {}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def task_rollout(gw: Any, task: str, reward: float) -> str:
+    ro = httpx.post(gw.v1 + "/rollouts", json={"task_id": task, "harness": "sdk"}, headers=ADMIN, timeout=30).json()
+    key = {"Authorization": f"Bearer {ro['api_key']}"}
+    chat(ro["base_url"], f"solve {task}", key, temperature=1.0)
+    assert httpx.post(f"{gw.v1}/rollouts/{ro['id']}/reward", json={"value": reward}, headers=key).status_code == 201
+    assert httpx.post(f"{gw.v1}/rollouts/{ro['id']}/finish", json={}, headers=key).status_code == 200
+    return str(ro["id"])
+
+
+def retried_rollout(gw: Any) -> str:
+    """The same first request sent twice, the second answer continued: the first is a dead leaf of the tree."""
+    ro = httpx.post(gw.v1 + "/rollouts", json={"task_id": "retry", "harness": "sdk"}, headers=ADMIN).json()
+    key = {"Authorization": f"Bearer {ro['api_key']}"}
+    first = [{"role": "user", "content": "list the files"}]
+    for _ in range(2):
+        r = httpx.post(
+            ro["base_url"] + "/chat/completions",
+            json={"model": "tiny", "messages": first, "max_tokens": 6, "temperature": 1.0},
+            headers=key,
+            timeout=60,
+        )
+        assert r.status_code == 200
+    answer = r.json()["choices"][0]["message"]["content"] or ""
+    follow = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "now read them"}]
+    r = httpx.post(
+        ro["base_url"] + "/chat/completions",
+        json={"model": "tiny", "messages": follow, "max_tokens": 6},
+        headers=key,
+        timeout=60,
+    )
+    assert r.status_code == 200
+    httpx.post(f"{gw.v1}/rollouts/{ro['id']}/finish", json={}, headers=key)
+    return str(ro["id"])
+
+
+def train_steps(url: str) -> None:
+    now = dt.datetime.now(dt.UTC)
+    store = connect(url)
+    try:
+        with Session(store) as session, session.begin():
+            for i, loss in enumerate((0.9, 0.6, 0.4)):
+                session.add(
+                    TrainStep(
+                        version=i + 1,
+                        base_version=i,
+                        algorithm="grpo",
+                        status="ok",
+                        n_rollouts=4,
+                        n_paths=4,
+                        tokens_processed=1000 + 100 * i,
+                        trainable_tokens=200,
+                        metrics={"loss": loss, "reward_mean": 0.2 * i, "approx_kl": 0.01 * i, "grad_norm": 1.5},
+                        started_at=now - dt.timedelta(seconds=60 - 10 * i),
+                        ended_at=now - dt.timedelta(seconds=55 - 10 * i),
+                    )
+                )
+            session.add(
+                TrainStep(
+                    base_version=3,
+                    algorithm="grpo",
+                    status="failed",
+                    n_rollouts=0,
+                    n_paths=0,
+                    tokens_processed=0,
+                    trainable_tokens=0,
+                    error="RuntimeError: CUDA error: out of memory",
+                    started_at=now,
+                    ended_at=now,
+                )
+            )
+    finally:
+        store.dispose()
+
+
+@pytest.fixture(scope="module")
+def chromium_path() -> str:
+    if shutil.which(CHROMIUM) is None and not Path(CHROMIUM).exists():
+        missing("Debian's chromium is not installed (apt-get install chromium)")
+    return CHROMIUM
+
+
+@pytest.fixture
+def console(gateway_factory, tiny_model_dir, tmp_path) -> Any:
+    adapters = tmp_path / "adapters"
+    gw = gateway_factory(admin_key=ADMIN_KEY, policy_poll_interval=0.1, adapter_dir=adapters, max_tokens=16)
+    url = gw.settings.database_url
+    for version in range(3):
+        publish(url, adapters, tiny_model_dir, version)
+        wait_for(lambda v=version: gw.state.service.policy_version == v, what=f"policy@v{version}")
+        for reward in (0.2 * version, 0.2 * version + 0.1):
+            task_rollout(gw, "fix-bug", reward)
+        call_id = chat(gw.v1, f"everyday question {version}").headers["x-clawgate-call-id"]
+        posted = httpx.post(gw.v1 + "/feedback", json={"call_id": call_id, "value": 0.3 * version}, headers=ADMIN)
+        assert posted.status_code == 201, posted.text
+    gw.retry_rollout = retried_rollout(gw)
+    train_steps(url)
+    gw.flush()
+    return gw
+
+
+def test_the_console_shows_what_serves_what_learns_and_what_happened(console, chromium_path, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium_path, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1300, "height": 900})
+        page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+
+        # Login is required: the console sends the browser to the form, and a wrong key is refused.
+        page.goto(console.url + "/dashboard/rollouts")
+        assert page.url.startswith(console.url + "/dashboard/login")
+        page.fill("#key", "not-the-key")
+        page.click("button[type=submit]")
+        assert "not the admin key" in page.inner_text("form")
+        page.screenshot(path=str(shots / "login.png"))
+        assert len(errors) == 1 and "401" in errors[0], "the refused login answers 401, which the browser reports"
+        errors.clear()
+        page.fill("#key", ADMIN_KEY)
+        page.click("button[type=submit]")
+        assert page.url == console.url + "/dashboard/rollouts", "back where the login was asked for"
+        cookie = next(c for c in page.context.cookies() if c["name"] == auth.COOKIE)
+        assert cookie["httpOnly"] and ADMIN_KEY not in cookie["value"]
+
+        page.goto(console.url + "/dashboard")
+        assert page.inner_text("#serving-adapter") == "policy@v2"
+        trainer = page.inner_text("#card-trainer")
+        assert "failing" in trainer and "out of memory" in trainer, trainer
+        page.screenshot(path=str(shots / "overview.png"), full_page=True)
+
+        page.goto(console.url + "/dashboard/rewards")
+        points = page.locator('#reward-chart circle.point[data-series="turn reward"]')
+        assert points.count() == 3, "one point per policy version that served rewarded turns"
+        assert [float(points.nth(i).get_attribute("data-y") or "nan") for i in range(3)] == pytest.approx(
+            [0.0, 0.3, 0.6]
+        )
+        rollout_points = page.locator('#reward-chart circle.point[data-series="rollout reward"]')
+        assert [float(rollout_points.nth(i).get_attribute("data-y") or "nan") for i in range(3)] == pytest.approx(
+            [0.05, 0.25, 0.45]
+        )
+        assert "fix-bug" in page.inner_text("#groups")
+        page.screenshot(path=str(shots / "rewards.png"), full_page=True)
+
+        page.goto(console.url + "/dashboard/steps")
+        loss = page.locator('[data-figure="loss"] circle.point')
+        assert loss.count() == 3, "the failed step has no loss to draw"
+        assert "out of memory" in page.inner_text("#steps")
+        page.screenshot(path=str(shots / "steps.png"), full_page=True)
+
+        page.goto(console.url + "/dashboard/rollouts?task_id=fix-bug")
+        table = page.inner_text("#rollouts")
+        assert "6 rollouts" in page.inner_text("main") and "retry" not in table
+        page.goto(console.url + "/dashboard/rollouts?policy_version=1")
+        assert page.locator("#rollouts tr").count() == 1 + 3, "two task rollouts and one conversation served by v1"
+        page.screenshot(path=str(shots / "rollouts.png"), full_page=True)
+
+        page.goto(f"{console.url}/dashboard/rollouts/{console.retry_rollout}")
+        assert page.locator(".call").count() == 3
+        assert page.locator(".call .tok").count() > 0, "completions shown token by token"
+        filtered = page.inner_text("#filtered")
+        assert "dead_leaf" in filtered, filtered
+        assert page.inner_text("#tree").strip()
+        page.screenshot(path=str(shots / "rollout.png"), full_page=True)
+
+        page.goto(console.url + "/dashboard/versions")
+        assert page.locator("#policy-versions tr").count() == 1 + 3
+        assert "current" in page.inner_text("#policy-versions tr.current")
+        page.screenshot(path=str(shots / "versions.png"), full_page=True)
+
+        # Pin, unpin and roll back from the page change what the gateway serves (as /health reports it).
+        def health_policy() -> tuple[int | None, int | None]:
+            policy = httpx.get(console.url + "/health").json()["policy"]
+            return policy["version"], policy["pinned_version"]
+
+        page.click('tr[data-version="0"] button.pin')
+        assert page.url == console.url + "/dashboard/versions"
+        assert health_policy() == (0, 0) and "Pinned to policy@v0" in page.inner_text("#policy-control")
+        page.screenshot(path=str(shots / "versions-pinned.png"), full_page=True)
+        page.click("#unpin")
+        assert health_policy() == (2, None)
+        page.click('tr[data-version="1"] button.rollback')
+        assert health_policy() == (1, 1) and "rollback" in page.inner_text("#policy-control")
+
+        # Signing out ends the session.
+        page.click("header button")
+        page.goto(console.url + "/dashboard")
+        assert page.url.startswith(console.url + "/dashboard/login")
+        browser.close()
+    assert not errors, errors
+    assert sorted(p.name for p in shots.iterdir()) == [
+        "login.png", "overview.png", "rewards.png", "rollout.png", "rollouts.png", "steps.png", "versions-pinned.png",
+        "versions.png",
+    ]  # fmt: skip
+
+
+def test_a_forged_or_expired_session_is_refused():
+    token = auth.issue("k", now=1000.0)
+    assert auth.valid("k", token, now=1001.0)
+    assert not auth.valid("k", token, now=1000.0 + auth.LIFETIME_S + 1), "expired"
+    assert not auth.valid("other", token, now=1001.0), "signed under another admin key"
+    expires, nonce, sig = token.split(".")
+    assert not auth.valid("k", f"{int(expires) + 9999}.{nonce}.{sig}", now=1001.0), "a lengthened expiry"
+    assert not auth.valid("k", None) and not auth.valid("k", "garbage")
+
+
+def test_pages_need_the_session_and_keep_redirects_inside_the_console(gateway_factory):
+    gw = gateway_factory(admin_key=ADMIN_KEY)
+    for path in ("/dashboard", "/dashboard/rewards", "/dashboard/steps", "/dashboard/rollouts", "/dashboard/versions"):
+        r = httpx.get(gw.url + path, follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"].startswith("/dashboard/login"), path
+    r = httpx.get(gw.url + "/dashboard", headers=ADMIN, follow_redirects=False)
+    assert r.status_code == 303, "the API's bearer key is not a console session"
+    r = httpx.post(gw.url + "/dashboard/login", data={"key": ADMIN_KEY, "next": "https://evil.example/"})
+    assert r.status_code == 303 and r.headers["location"] == "/dashboard", "no open redirect"
+    session = r.cookies[auth.COOKIE]
+    r = httpx.get(gw.url + "/dashboard/rollouts/no-such", cookies={auth.COOKIE: session})
+    assert r.status_code == 404 and "no-such" in r.text
+
+
+def test_charts_draw_one_point_per_value_and_gaps_for_missing_ones():
+    svg = charts.line_chart("t", [charts.Series("a", [(0, 1.0), (1, None), (2, 3.0), (3, float("nan"))])])
+    assert svg.count('class="point"') == 2 and svg.count("<polyline") == 0, "no line across a gap"
+    svg = charts.line_chart("t", [charts.Series("a", [(0, 1.0), (1, 2.0)]), charts.Series("<b>", [(0, 5.0)])])
+    assert svg.count('class="point"') == 3 and "<b>" not in svg and "&lt;b&gt;" in svg
+    assert "no data yet" in charts.line_chart("t", [charts.Series("a", [(0, None)])])
+    assert charts.logprob_colour(0.0) == "hsl(120, 85%, 85%)" and charts.logprob_colour(-20.0) == "hsl(0, 85%, 85%)"

@@ -1,0 +1,89 @@
+"""Policy control through the admin API: pin a version (every gateway serves it until unpinned, whatever the
+trainer publishes meanwhile), unpin, and ask for a rollback (served at once; the trainer's part is tested with the
+trainer). Two gateways on one database show that the pin is not one process's state."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from tests.policies import publish
+
+ADMIN = {"Authorization": "Bearer adm"}
+
+
+def wait_for(predicate: Any, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def served(gw: Any) -> tuple[str, int]:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(gw.v1 + "/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    call_id = r.headers["x-clawgate-call-id"]
+    gw.flush()
+    detail = httpx.get(f"{gw.v1}/rollouts/{r.headers['x-clawgate-rollout-id']}", headers=ADMIN).json()
+    [call] = [c for c in detail["calls"] if c["id"] == call_id]
+    return call["adapter"], call["policy_version"]
+
+
+def test_a_pin_holds_on_every_gateway_until_unpinned(gateway_factory, tiny_model_dir, tmp_path):
+    adapters = tmp_path / "adapters"
+    a = gateway_factory(admin_key="adm", policy_poll_interval=0.1, adapter_dir=adapters)
+    b = gateway_factory(
+        admin_key="adm", policy_poll_interval=0.1, adapter_dir=adapters, database_url=a.settings.database_url
+    )
+    url = a.settings.database_url
+    for v in (0, 1):
+        publish(url, adapters, tiny_model_dir, v)
+    for gw in (a, b):
+        wait_for(lambda gw=gw: gw.state.service.policy_version == 1, "v1 served")
+
+    r = httpx.post(a.v1 + "/policy/pin", json={"version": 0}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["pinned_version"] == 0 and body["served"] == {"adapter": "policy@v0", "version": 0}, "at once here"
+    wait_for(lambda: b.state.service.policy_version == 0, "the other gateway to follow the pin")
+    publish(url, adapters, tiny_model_dir, 2)
+    time.sleep(0.6)  # several polls: v2 is published, but the pin holds
+    for gw in (a, b):
+        policy = httpx.get(gw.url + "/health").json()["policy"]
+        assert (policy["adapter"], policy["version"], policy["pinned_version"]) == ("policy@v0", 0, 0)
+        assert served(gw) == ("policy@v0", 0), "every call records the version that served it"
+
+    listed = httpx.get(a.v1 + "/policy", headers=ADMIN).json()
+    assert [v["version"] for v in listed["versions"]] == [0, 1, 2] and listed["pinned_version"] == 0
+
+    assert httpx.post(a.v1 + "/policy/unpin", headers=ADMIN).json()["pinned_version"] is None
+    for gw in (a, b):
+        wait_for(lambda gw=gw: gw.state.service.policy_version == 2, "the newest version after the unpin")
+    assert httpx.get(b.url + "/health").json()["policy"]["pinned_version"] is None
+
+
+def test_a_rollback_serves_that_version_now_and_waits_for_the_trainer(gateway_factory, tiny_model_dir, tmp_path):
+    adapters = tmp_path / "adapters"
+    gw = gateway_factory(admin_key="adm", policy_poll_interval=0.1, adapter_dir=adapters)
+    for v in (0, 1, 2):
+        publish(gw.settings.database_url, adapters, tiny_model_dir, v)
+    wait_for(lambda: gw.state.service.policy_version == 2, "v2 served")
+    body = httpx.post(gw.v1 + "/policy/rollback", json={"version": 1}, headers=ADMIN).json()
+    assert body["rollback_to"] == 1 and body["pinned_version"] == 1 and body["served"]["version"] == 1
+    assert served(gw) == ("policy@v1", 1)
+
+
+def test_policy_control_needs_the_admin_key_and_a_published_version(gateway_factory, tiny_model_dir, tmp_path):
+    adapters = tmp_path / "adapters"
+    gw = gateway_factory(admin_key="adm", policy_poll_interval=0.1, adapter_dir=adapters)
+    publish(gw.settings.database_url, adapters, tiny_model_dir, 0)
+    for method, path in (("GET", "/policy"), ("POST", "/policy/unpin")):
+        assert httpx.request(method, gw.v1 + path).status_code == 401
+    r = httpx.post(gw.v1 + "/policy/pin", json={"version": 7}, headers=ADMIN)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "version" and "never published" in r.text
+    r = httpx.post(gw.v1 + "/policy/rollback", json={"version": -1}, headers=ADMIN)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "version"
+    assert httpx.get(gw.v1 + "/policy", headers=ADMIN).json()["pinned_version"] is None
