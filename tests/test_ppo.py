@@ -26,6 +26,7 @@ import pytest
 import sqlalchemy as sa
 import torch
 from safetensors.torch import load_file
+from sqlalchemy.orm import Session
 
 from gateway.store.db import connect
 from gateway.store.readiness import ready_rollouts
@@ -490,3 +491,40 @@ def test_a_failed_step_is_recorded_as_failed_with_its_algorithm_and_the_loop_ret
     assert trained == 4, "the data the failed step would have consumed was trained by the next one"
     said = [m for r in caplog.records if r.name == "clawgate.trainer" and "train step failed" in (m := r.getMessage())]
     assert len(said) == 2 and "out of memory" in said[0] and "recovered" in said[1], "once when it starts and clears"
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_a_rollback_request_republishes_the_earlier_weights_as_the_next_version(
+    store, tiny_model_dir, tmp_path, engines, algorithm
+):
+    """The operator asks to roll back to v0 after v1 was trained: the daemon republishes v0's weights (and value
+    head) as v2, records where they come from, releases the pin, and goes on from v2."""
+    import threading
+
+    from gateway.store import policy_control
+    from gateway.store.models import PolicyVersion
+    from trainer import loop
+
+    cfg = trainer_config(store, tiny_model_dir, tmp_path, algorithm=algorithm)
+    engines.append(engine := connect(cfg.database_url))
+    trainer = Trainer(cfg, engine)
+    assert trainer.step() is not None and trainer.version == 1
+    policy_control.request_rollback(engine, 0)
+
+    stop = threading.Event()
+    config = loop.LoopConfig(min_rollouts=1, interval=0.05)
+    loop.run(trainer, config, stop=stop, on_wait=lambda why: stop.set())
+    assert trainer.version == 2
+    v0, v1, v2 = (cfg.adapter_dir / f"policy@v{v}" for v in (0, 1, 2))
+    w0, w1, w2 = (load_file(v / "adapter_model.safetensors") for v in (v0, v1, v2))
+    assert all(torch.equal(w0[k], w2[k]) for k in w0), "v2 carries v0's weights"
+    assert any(not torch.equal(w1[k], w2[k]) for k in w1), "not v1's"
+    if algorithm == "ppo":
+        h0, h2 = load_file(v0 / ppo.VALUE_HEAD), load_file(v2 / ppo.VALUE_HEAD)
+        assert all(torch.equal(h0[k], h2[k]) for k in h0), "and v0's value head"
+    assert lora.read_manifest(v2).rolled_back_from == 0
+    with Session(engine) as session:
+        row = session.get(PolicyVersion, 2)
+        assert row is not None and (row.parent_version, row.rolled_back_from) == (0, 0)
+        assert session.get(PolicyVersion, 1).parent_version == 0  # type: ignore[union-attr]
+    assert policy_control.read(engine) == policy_control.Control(None, None, policy_control.read(engine).updated_at)

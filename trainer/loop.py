@@ -28,7 +28,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from gateway.faults import Fault, describe
-from gateway.store import turns
+from gateway.store import policy_control, turns
 from gateway.store.models import TrainStep
 from gateway.store.readiness import oldest_ready_age, readiness
 from trainer.plan import StepResult
@@ -103,8 +103,11 @@ def run(
     stop: threading.Event,
     on_step: Callable[[StepResult], None] = lambda r: None,
     on_wait: Callable[[str], None] = lambda msg: None,
+    on_failure: Callable[[BaseException], None] = lambda exc: None,
 ) -> int:
-    """Train until ``stop`` is set (or ``max_steps`` steps were published); returns the number of steps."""
+    """Train until ``stop`` is set (or ``max_steps`` steps were published); returns the number of steps.
+
+    Before each look for data it carries out an operator's rollback request (``store/policy_control.py``)."""
     steps = 0
     backoff = cfg.interval
     last_wait = ""
@@ -113,11 +116,15 @@ def run(
     while not stop.is_set():
         started = dt.datetime.now(dt.UTC)
         try:
+            rollback_to = policy_control.read(trainer.db).rollback_to
+            if rollback_to is not None:
+                trainer.rollback(rollback_to)
             go, why = should_step(trainer, cfg)
             result = trainer.step() if go else None
         except Exception as exc:
             fault.failed(f"{describe(exc)}; retrying in {backoff:.0f}s", exc_info=exc)
             record_failure(trainer.db, trainer.version, exc, started, trainer.config.algorithm)
+            on_failure(exc)
             stop.wait(backoff)
             backoff = min(backoff * 2, cfg.max_backoff)
             continue

@@ -50,6 +50,7 @@ class Manifest:
     turns: list[str] = field(default_factory=list)  # and turns (call ids) of everyday traffic
     metrics: dict[str, float] = field(default_factory=dict)
     parent_version: int | None = None
+    rolled_back_from: int | None = None  # a rollback: the weights are those of this earlier version
     created_at: str = field(default_factory=lambda: dt.datetime.now(dt.UTC).isoformat())
 
 
@@ -126,6 +127,19 @@ def load_policy(
     if gradient_checkpointing:
         enable_gradient_checkpointing(base)
     return PeftModel.from_pretrained(base, str(path), is_trainable=trainable)
+
+
+def load_weights(policy: PeftModel, path: str | Path) -> None:
+    """Put a saved version's adapter weights into ``policy`` in place (a rollback: same adapter, older weights)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    device = next(iter(lora_parameters(policy).values())).device
+    state = load_file(str(Path(path) / "adapter_model.safetensors"), device=str(device))
+    result = set_peft_model_state_dict(policy, state)
+    unexpected = getattr(result, "unexpected_keys", None)
+    if unexpected:
+        raise ValueError(f"{path} holds weights this policy does not have: {unexpected[:3]}")
 
 
 def save_version(

@@ -24,6 +24,7 @@ from types import TracebackType
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from gateway.store import policy_control
 from gateway.store.models import PolicyVersion, TrainedRollout, TrainedTurn, TrainStep
 from trainer import lora
 
@@ -174,8 +175,12 @@ def record_version(
                 step=step_id or None,
                 metrics=metrics or None,
                 created_at=now,
+                parent_version=manifest.parent_version,
+                rolled_back_from=manifest.rolled_back_from,
             )
         )
+        if manifest.rolled_back_from is not None:
+            policy_control.complete_rollback(session, manifest.rolled_back_from)
     return step_id
 
 

@@ -318,6 +318,36 @@ class Trainer:
         sums.update({"grad_norm": float(grad_norm), "tokens_processed": float(processed), "trainable_tokens": total})
         return sums
 
+    def rollback(self, to: int) -> int:
+        """Continue from version ``to``: its weights (and value head) become the policy's, the optimizer starts
+        afresh, and they are published as the next version (versions stay immutable and monotonic). Publishing
+        also completes the operator's rollback request and releases its pin. Returns the new version."""
+        path = lora.version_path(self.config.adapter_dir, to)
+        if not path.is_dir():
+            raise FileNotFoundError(f"cannot roll back to policy@v{to}: {path} is missing")
+        lora.load_weights(self.policy, path)
+        if self.critic is not None:
+            self.critic = self._critic(path)
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=0.0)
+        version = self.version + 1
+        self._publish(
+            lora.Manifest(
+                version=version,
+                base_model=self.config.model,
+                step=version,
+                lora=asdict(self.config.lora),
+                parent_version=to,
+                rolled_back_from=to,
+            ),
+            step=None,
+            consumed={},
+            metrics={},
+        )
+        log.info("rolled back: policy@v%d republishes the weights of policy@v%d; training goes on from it", version, to)
+        self.version = version
+        return version
+
     def _critic(self, resumed: Path | None) -> ppo.Critic | None:
         """PPO's value head: the one saved in the version resumed from, else a fresh one (None for GRPO)."""
         cfg = self.config
