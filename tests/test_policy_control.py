@@ -87,3 +87,30 @@ def test_policy_control_needs_the_admin_key_and_a_published_version(gateway_fact
     r = httpx.post(gw.v1 + "/policy/rollback", json={"version": -1}, headers=ADMIN)
     assert r.status_code == 400 and r.json()["error"]["param"] == "version"
     assert httpx.get(gw.v1 + "/policy", headers=ADMIN).json()["pinned_version"] is None
+
+
+def test_the_policy_command_lists_pins_and_rolls_back(gateway_factory, tiny_model_dir, tmp_path, capsys):
+    from clawgate.cli import main
+
+    adapters = tmp_path / "adapters"
+    gw = gateway_factory(admin_key="adm", policy_poll_interval=0.1, adapter_dir=adapters)
+    url = gw.settings.database_url
+    for v in (0, 1):
+        publish(url, adapters, tiny_model_dir, v)
+    wait_for(lambda: gw.state.service.policy_version == 1, "v1 served")
+
+    assert main(["policy", "pin", "0", "--database-url", url]) == 0
+    wait_for(lambda: gw.state.service.policy_version == 0, "the gateway to follow the command's pin")
+    assert main(["policy", "list", "--database-url", url]) == 0
+    listed = capsys.readouterr().out
+    [row] = [line for line in listed.splitlines() if line.startswith("policy@v0 ")]
+    assert row.endswith("current pinned"), listed
+    assert main(["policy", "rollback", "1", "--database-url", url]) == 0
+    wait_for(lambda: gw.state.service.policy_version == 1, "the rollback target served at once")
+    assert main(["policy", "list", "--database-url", url]) == 0
+    assert "rollback to policy@v1 requested: waiting for the trainer" in capsys.readouterr().out
+    assert main(["policy", "unpin", "--database-url", url]) == 0
+    assert main(["policy", "pin", "9", "--database-url", url]) == 2
+    assert main(["policy", "pin", "--database-url", url]) == 2
+    err = capsys.readouterr().err
+    assert "policy version 9 was never published" in err and "needs a VERSION" in err
