@@ -97,6 +97,11 @@ class Settings(BaseSettings):
     # Turns wait for the reward worker's verdict before they are trained (default: when a judge or a reward
     # function is configured, so a turn is never trained before its judge score exists).
     train_await_judge: bool | None = None
+    # Training metrics: the trainer's own Prometheus /metrics port (None: not served), and optional loggers
+    # ("tensorboard", "wandb", comma-separated) writing under train_log_dir (default <data_dir>/runs).
+    train_metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    train_log_to: str | None = None
+    train_log_dir: Path | None = None
 
     # Rewards for turns of everyday traffic (`clawgate judge`, started by `clawgate up` when configured).
     # An LLM judge reached through LiteLLM: any model string it knows ("openai/gpt-4o-mini", "anthropic/…",
@@ -165,6 +170,17 @@ class Settings(BaseSettings):
     def _empty_is_unset(cls, value: object) -> object:
         # docker compose passes `${VAR:-}` as an empty string: that means "not configured", not a model named "".
         return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("train_log_to", mode="before")
+    @classmethod
+    def _known_loggers(cls, value: object) -> object:
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return None
+        names = [n.strip() for n in str(value).split(",") if n.strip()]
+        unknown = [n for n in names if n not in ("tensorboard", "wandb")]
+        if unknown:
+            raise ValueError(f"unknown logger {', '.join(unknown)}: choose tensorboard and/or wandb")
+        return ",".join(names)
 
     @model_validator(mode="after")
     def _production_secrets(self) -> Settings:

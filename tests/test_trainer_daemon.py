@@ -119,16 +119,46 @@ def train_until_consumed(model: Path, url: str, adapters: Path, expected: set[st
         daemon.stop()
 
 
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The trainer's Prometheus text, parsed: (sample name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
 def test_daemon_waits_for_its_trigger_then_trains(gateway_factory, tiny_model_dir, tmp_path, store_url):
+    """Also the training metrics where RL users look: the trainer's own /metrics (parsed as Prometheus text) and
+    TensorBoard event files, read back."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.conftest import free_port
+
     gw = gateway_factory(admin_key="adm", policy_follow=False, database_url=store_url)
     url, adapters = gw.settings.database_url, tmp_path / "adapters"
     first = [rollout(gw, "A", 1.0), rollout(gw, "A", 0.0)]
-    daemon = Daemon(train_cmd(tiny_model_dir, url, adapters, "--min-rollouts", "4", "--max-steps", "2"))
+    port, runs = free_port(), tmp_path / "runs"
+    extra = ("--metrics-port", str(port), "--log-to", "tensorboard", "--log-dir", str(runs))
+    daemon = Daemon(train_cmd(tiny_model_dir, url, adapters, "--min-rollouts", "4", "--max-steps", "2", *extra))
     try:
         daemon.wait_line("waiting: 2/4 rollouts ready")
         assert recorded_versions(url) == [0], "no step below the trigger"
+        waiting = scrape(port)
+        assert waiting[("clawgate_trainer_ready", (("kind", "rollouts"),))] == 2
+        assert ("clawgate_trainer_steps_total", (("status", "ok"),)) not in waiting
         second = [rollout(gw, "B", 1.0), rollout(gw, "B", 0.0)]
         daemon.wait_line("-> policy@v1")
+        stepped = scrape(port)
+        assert stepped[("clawgate_trainer_steps_total", (("status", "ok"),))] == 1
+        assert stepped[("clawgate_trainer_version", ())] == 1
+        assert stepped[("clawgate_trainer_ready", (("kind", "rollouts"),))] == 0, "all four consumed"
+        assert stepped[("clawgate_trainer_step_seconds", ())] > 0
+        assert stepped[("clawgate_trainer_tokens_per_second", ())] > 0
+        assert ("clawgate_trainer_loss", ()) in stepped and ("clawgate_trainer_reward_mean", ()) in stepped
         third = [rollout(gw, "A", 0.0), rollout(gw, "A", 0.5), rollout(gw, "C", 1.0), rollout(gw, "C", 0.0)]
         daemon.wait_line("-> policy@v2")
         assert daemon.proc.wait(60) == 0, "--max-steps 2 ends the daemon"
@@ -138,6 +168,12 @@ def test_daemon_waits_for_its_trigger_then_trains(gateway_factory, tiny_model_di
     assert sorted(r for r, _ in trained) == sorted(first + second + third), "each ready rollout once"
     assert {r for r, v in trained if v == 1} == set(first + second)
     assert recorded_versions(url) == [0, 1, 2]
+    events = EventAccumulator(str(runs / "tensorboard"))
+    events.Reload()
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == [1, 2], "one point per published version"
+    assert [e.step for e in events.Scalars("train/reward_mean")] == [1, 2]
+    assert "train/tokens_per_second" in events.Tags()["scalars"]
 
 
 def test_sigkill_mid_step_loses_nothing_and_trains_nothing_twice(gateway_factory, tiny_model_dir, tmp_path):

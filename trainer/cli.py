@@ -12,7 +12,7 @@ import argparse
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway.logs import setup_logging
 from gateway.settings import Settings, from_flags
@@ -44,9 +44,12 @@ TRAIN_FLAGS = (
     "train_advantage",
     "train_min_turns",
     "train_await_judge",
+    "train_metrics_port",
+    "train_log_to",
+    "train_log_dir",
 )
 # What `clawgate train` builds its settings from.
-TRAIN_SETTINGS = ("model", "database_url", "log_level", *TRAIN_FLAGS)
+TRAIN_SETTINGS = ("model", "database_url", "log_level", "data_dir", *TRAIN_FLAGS)
 
 
 def train_flags(p: argparse.ArgumentParser) -> None:
@@ -98,6 +101,20 @@ def train_flags(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="turns wait for the judge's verdict (default: when a judge model or reward function is set)",
+    )
+    g.add_argument(
+        "--metrics-port",
+        dest="train_metrics_port",
+        type=int,
+        help="serve the trainer's Prometheus metrics on this port (CLAWGATE_TRAIN_METRICS_PORT)",
+    )
+    g.add_argument(
+        "--log-to",
+        dest="train_log_to",
+        help="also log every step to tensorboard and/or wandb, comma-separated (CLAWGATE_TRAIN_LOG_TO)",
+    )
+    g.add_argument(
+        "--log-dir", dest="train_log_dir", help="where those logs go (CLAWGATE_TRAIN_LOG_DIR, default .clawgate/runs)"
     )
 
 
@@ -184,17 +201,51 @@ def cmd_train(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        loop.run(
-            trainer,
-            cfg,
-            stop=stop,
-            on_step=lambda r: print(describe(r), flush=True),
-            on_wait=lambda msg: print(msg, file=sys.stderr, flush=True),
-        )
+        metrics = _telemetry(settings, engine)
+
+        def on_step(result: Any) -> None:
+            print(describe(result), flush=True)
+            metrics.step(result)
+
+        try:
+            loop.run(
+                trainer,
+                cfg,
+                stop=stop,
+                on_step=on_step,
+                on_wait=lambda msg: print(msg, file=sys.stderr, flush=True),
+                on_failure=metrics.failure,
+            )
+        finally:
+            metrics.close()
         return 0
     finally:
         lock.release()
         engine.dispose()
+
+
+def _telemetry(settings: Settings, engine: Any) -> Any:
+    from gateway.store.readiness import readiness
+    from gateway.store.turns import backlog
+    from trainer import telemetry
+
+    def ready() -> tuple[int, int]:
+        return (
+            readiness(engine, 0).rollouts,
+            backlog(engine, 0, await_judge=settings.awaits_judge).ready,
+        )
+
+    log_dir = settings.train_log_dir or settings.data_dir / "runs"
+    built = telemetry.build(
+        metrics_port=settings.train_metrics_port,
+        log_to=telemetry.parse_log_to(settings.train_log_to),
+        log_dir=Path(log_dir),
+        config={"model": settings.model, "algorithm": settings.train_algorithm, "lr": settings.train_lr},
+        backlog=ready,
+    )
+    if settings.train_metrics_port is not None:
+        print(f"trainer metrics on :{settings.train_metrics_port}/metrics", file=sys.stderr, flush=True)
+    return built
 
 
 def register(sub: argparse._SubParsersAction) -> None:
