@@ -74,6 +74,12 @@ def run_lifecycle(gw) -> dict:
     assert report["trainable_tokens"] == sum(len(c["completion_token_ids"]) for c in calls)
     last = calls[-1]
     assert report["tree_tokens"] == len(last["prompt_token_ids"]) + len(last["completion_token_ids"])
+    page = admin(gw).get("/v1/rollouts", params={"task_id": "t1"}).json()["data"]
+    [listed] = [r for r in page if r["id"] == ro["id"]]
+    assert listed["reward"] == 0.75 and listed["calls"] == 5, "the list shows each rollout's reward and size"
+    assert listed["prompt_tokens"] == sum(len(c["prompt_token_ids"]) for c in calls)
+    assert listed["completion_tokens"] == sum(len(c["completion_token_ids"]) for c in calls)
+    assert listed["policy_versions"] == sorted({c["policy_version"] for c in calls if c["policy_version"] is not None})
     return ro
 
 

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query, Request
 from gateway.api.deps import AdminAuth, State, authorize_rollout, store_caught_up
 from gateway.errors import NotFound
 from gateway.protocol.rollouts import CreateRollout, FinishRollout, PostFeedback, PostReward
-from gateway.store import rollouts
+from gateway.store import console, rollouts
 from gateway.store.training_data import load_rollout
 
 router = APIRouter()
@@ -74,7 +74,21 @@ async def list_rollouts(
 ) -> dict[str, Any]:
     f = rollouts.RolloutFilter(task_id, harness, status, group, policy_version, since, until, eval)
     rows, next_cursor = await asyncio.to_thread(rollouts.list_rollouts, state.db, f, limit=limit, cursor=cursor)
-    return {"object": "list", "data": [rollouts.summary(r) for r in rows], "next_cursor": next_cursor}
+    stats = await asyncio.to_thread(console.rollout_stats, state.db, [r.id for r in rows])
+    data = []
+    for r in rows:
+        s = stats[r.id]
+        data.append(
+            {
+                **rollouts.summary(r),
+                "reward": s.reward,
+                "calls": s.calls,
+                "prompt_tokens": s.prompt_tokens,
+                "completion_tokens": s.completion_tokens,
+                "policy_versions": s.versions,
+            }
+        )
+    return {"object": "list", "data": data, "next_cursor": next_cursor}
 
 
 @router.get("/v1/rollouts/{rollout_id}")

@@ -264,34 +264,55 @@ def rollouts_page(
             )
             for r in found
         }
-        if rows:
-            ids = list(rows)
-            for rid, n, prompt, completion in session.execute(
-                sa.select(
-                    Call.rollout_id, sa.func.count(), sa.func.sum(Call.prompt_len), sa.func.sum(Call.completion_len)
-                )
-                .where(Call.rollout_id.in_(ids))
-                .group_by(Call.rollout_id)
-            ):
-                row = rows[rid]
-                row.calls, row.prompt_tokens, row.completion_tokens = int(n), int(prompt or 0), int(completion or 0)
-            for rid, version in session.execute(
-                sa.select(Call.rollout_id, Call.policy_version)
-                .where(Call.rollout_id.in_(ids), Call.policy_version.is_not(None))
-                .distinct()
-            ):
-                rows[rid].versions.append(int(version or 0))
-            latest = (
-                sa.select(sa.func.max(Reward.id))
-                .where(Reward.call_id.is_(None), Reward.rollout_id.in_(ids))
-                .group_by(Reward.rollout_id)
-            )
-            for rid, value in session.execute(sa.select(Reward.rollout_id, Reward.value).where(Reward.id.in_(latest))):
-                rows[rid].reward = float(value)
-    out = list(rows.values())
-    for row in out:
-        row.versions.sort()
-    return out, int(total)
+        for rid, stats in _stats(session, list(rows)).items():
+            row = rows[rid]
+            row.reward, row.calls, row.versions = stats.reward, stats.calls, stats.versions
+            row.prompt_tokens, row.completion_tokens = stats.prompt_tokens, stats.completion_tokens
+    return list(rows.values()), int(total)
+
+
+@dataclass(slots=True)
+class RolloutStats:
+    reward: float | None = None  # the latest rollout-level reward
+    calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    versions: list[int] = field(default_factory=list)  # the policy versions that served its calls, ascending
+
+
+def rollout_stats(db: sa.Engine, ids: list[str]) -> dict[str, RolloutStats]:
+    """Each rollout's latest reward, call and token counts and serving versions (three grouped queries)."""
+    with Session(db) as session:
+        return _stats(session, ids)
+
+
+def _stats(session: Session, ids: list[str]) -> dict[str, RolloutStats]:
+    out = {rid: RolloutStats() for rid in ids}
+    if not ids:
+        return out
+    for rid, n, prompt, completion in session.execute(
+        sa.select(Call.rollout_id, sa.func.count(), sa.func.sum(Call.prompt_len), sa.func.sum(Call.completion_len))
+        .where(Call.rollout_id.in_(ids))
+        .group_by(Call.rollout_id)
+    ):
+        stats = out[rid]
+        stats.calls, stats.prompt_tokens, stats.completion_tokens = int(n), int(prompt or 0), int(completion or 0)
+    for rid, version in session.execute(
+        sa.select(Call.rollout_id, Call.policy_version)
+        .where(Call.rollout_id.in_(ids), Call.policy_version.is_not(None))
+        .distinct()
+    ):
+        out[rid].versions.append(int(version or 0))
+    latest = (
+        sa.select(sa.func.max(Reward.id))
+        .where(Reward.call_id.is_(None), Reward.rollout_id.in_(ids))
+        .group_by(Reward.rollout_id)
+    )
+    for rid, value in session.execute(sa.select(Reward.rollout_id, Reward.value).where(Reward.id.in_(latest))):
+        out[rid].reward = float(value)
+    for stats in out.values():
+        stats.versions.sort()
+    return out
 
 
 @dataclass(slots=True)
@@ -326,12 +347,14 @@ __all__ = [
     "GroupReward",
     "RolloutFilter",
     "RolloutRow",
+    "RolloutStats",
     "Spread",
     "StepRow",
     "Traffic",
     "VersionRow",
     "backlog",
     "reward_by_task_and_harness",
+    "rollout_stats",
     "rollouts_page",
     "traffic",
     "train_steps",
