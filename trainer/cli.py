@@ -2,6 +2,7 @@
 
     clawgate train        the trainer daemon: GRPO/PPO steps as rollouts become ready; publishes policy@vN
     clawgate train --once a few steps over what is ready now, then exit
+    clawgate adapter export VERSION --out DIR | --merge DIR   a version as a PEFT adapter or a merged model
 
 ``train_flags`` and ``train_config`` are also what `clawgate up` starts its trainer child with.
 """
@@ -248,8 +249,38 @@ def _telemetry(settings: Settings, engine: Any) -> Any:
     return built
 
 
+def cmd_adapter(args: argparse.Namespace) -> int:
+    from trainer import export
+
+    settings = from_flags(args, ("adapter_dir", "log_level"))
+    if (args.out is None) == (args.merge is None):
+        print("error: `clawgate adapter export` needs one of --out DIR (the adapter) or --merge DIR", file=sys.stderr)
+        return 2
+    try:
+        if args.merge is not None:
+            path = export.merge(settings.adapter_dir, args.version, Path(args.merge), base_model=args.model)
+            print(f"policy@v{args.version} merged into its base model: {path}")
+        else:
+            path = export.copy_adapter(settings.adapter_dir, args.version, Path(args.out))
+            print(f"policy@v{args.version} (PEFT LoRA adapter): {path}")
+    except (FileExistsError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add `train` to the `clawgate` parser."""
+    """Add `train` and `adapter` to the `clawgate` parser."""
+    adapter = sub.add_parser("adapter", help="policy versions outside clawgate: export an adapter or a merged model")
+    adapter.add_argument("action", choices=["export"])
+    adapter.add_argument("version", type=int, help="the policy version (policy@vN)")
+    adapter.add_argument("--out", help="copy the PEFT adapter into this new directory")
+    adapter.add_argument("--merge", help="write a merged Hugging Face model (LoRA folded in) into this new directory")
+    adapter.add_argument("--model", help="the base model (default: the one in the version's manifest)")
+    adapter.add_argument("--adapter-dir", help="where policy@vN versions are (CLAWGATE_ADAPTER_DIR)")
+    adapter.add_argument("--log-level", help="(CLAWGATE_LOG_LEVEL)")
+    adapter.set_defaults(func=cmd_adapter)
+
     train = sub.add_parser("train", help="the trainer daemon (GRPO/PPO steps as rollouts become ready)")
     train.add_argument("--once", action="store_true", help="run --steps steps over what is ready now and exit")
     train.add_argument("--steps", type=int, default=1, help="with --once: steps to run")
@@ -262,4 +293,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     train.set_defaults(func=cmd_train)
 
 
-__all__ = ["TRAINER_BUSY", "TRAIN_FLAGS", "cmd_train", "register", "train_config", "train_flags"]
+__all__ = ["TRAINER_BUSY", "TRAIN_FLAGS", "cmd_adapter", "cmd_train", "register", "train_config", "train_flags"]
