@@ -10,10 +10,10 @@ from gateway.protocol.anthropic import AnthropicError, MessageResponse, TokenCou
 from gateway.serving.messages import MessagesServing
 
 router = APIRouter()
+# Errors on these paths take the Messages API's shape (see app.is_anthropic_path).
 add_serving_route(
-    router, "/v1/messages", MessagesServing, name="create_message", response_model=MessageResponse,
-    error_model=AnthropicError,
-)  # fmt: skip
+    router, "/v1/messages", MessagesServing, MessageResponse, name="create_message", error_model=AnthropicError
+)
 
 
 @router.post("/v1/messages/count_tokens", dependencies=[ClientAuth])

@@ -6,20 +6,13 @@ from fastapi import APIRouter
 
 from gateway.api.deps import ClientAuth, State
 from gateway.api.routing import ROLLOUT_PREFIX, add_serving_route
-from gateway.protocol.base import ErrorResponse
 from gateway.protocol.openai import ChatCompletion, Completion, ModelCard, ModelList
 from gateway.serving.chat import ChatServing
 from gateway.serving.completions import CompletionsServing
 
 router = APIRouter()
-add_serving_route(
-    router, "/v1/chat/completions", ChatServing, name="chat_completions", response_model=ChatCompletion,
-    error_model=ErrorResponse,
-)  # fmt: skip
-add_serving_route(
-    router, "/v1/completions", CompletionsServing, name="completions", response_model=Completion,
-    error_model=ErrorResponse,
-)  # fmt: skip
+add_serving_route(router, "/v1/chat/completions", ChatServing, ChatCompletion, name="chat_completions")
+add_serving_route(router, "/v1/completions", CompletionsServing, Completion, name="completions")
 
 
 @router.get("/v1/models", dependencies=[ClientAuth])

@@ -5,12 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from gateway.api.routing import add_serving_route
-from gateway.protocol.base import ErrorResponse
 from gateway.protocol.responses import ResponseObject
 from gateway.serving.responses import ResponsesServing
 
 router = APIRouter()
-add_serving_route(
-    router, "/v1/responses", ResponsesServing, name="create_response", response_model=ResponseObject,
-    error_model=ErrorResponse,
-)  # fmt: skip
+add_serving_route(router, "/v1/responses", ResponsesServing, ResponseObject, name="create_response")

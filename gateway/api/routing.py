@@ -10,6 +10,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from gateway.api.deps import ClientAuth, RolloutScope, State
+from gateway.protocol.base import ErrorResponse
 from gateway.serving.base import ProtocolServing
 
 ROLLOUT_PREFIX = "/rollouts/{rollout_id}"
@@ -27,10 +28,10 @@ def add_serving_route(
     router: APIRouter,
     path: str,
     serving: type[ProtocolServing[Any]],
+    response_model: type[BaseModel],
     *,
     name: str,
-    response_model: type[BaseModel],
-    error_model: type[BaseModel],
+    error_model: type[BaseModel] = ErrorResponse,
 ) -> None:
     """The body is ``response_model``, or with ``stream: true`` Server-Sent Events; errors are ``error_model``."""
     async def route(request: Request, state: State, rollout: RolloutScope) -> Response:
