@@ -69,6 +69,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         for child in children:
             child.start()
+        base = f"http://{settings.host}:{settings.port}"
+        login = "sign in with CLAWGATE_ADMIN_KEY" if settings.admin_key is not None else "open: no admin key set"
+        print(f"serving the OpenAI/Anthropic APIs on {base}/v1", file=sys.stderr, flush=True)
+        print(f"operator console: {base}/dashboard ({login}); API docs: {base}/docs", file=sys.stderr, flush=True)
         return serve(settings)
     finally:
         for child in children:

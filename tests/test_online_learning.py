@@ -60,6 +60,7 @@ def run_online(
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, up, start_timeout, version=0)  # v0 (the zero adapter) serves from the first call on
+        assert any(f"operator console: {url}/dashboard" in line for line in up.lines), up.output
         task = TargetTokenTask(
             url, ADMIN, len(tokenizer), set(tokenizer.all_special_ids), seed=0, prompts=prompts, group=group
         )
