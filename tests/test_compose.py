@@ -337,6 +337,8 @@ def test_services_start_in_dependency_order() -> None:
             "vllm": "service_healthy",
             "trainer": "service_healthy",
         },
+        "prometheus": {"gateway": "service_healthy"},
+        "grafana": {"prometheus": "service_started"},
     }
     for deps in conditions.values():
         for dep, condition in deps.items():
