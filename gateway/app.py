@@ -202,6 +202,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
     app.include_router(policy_api.router)
     app.include_router(console_routes.router)
     app.include_router(docs_api.router)
+    app.openapi = lambda: docs_api.openapi_schema(app)  # type: ignore[method-assign]
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, anthropic_path=is_anthropic_path)
     return app

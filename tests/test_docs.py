@@ -3,6 +3,9 @@ documents the serving routes' request and response models and the admin routes."
 
 from __future__ import annotations
 
+import json
+import re
+
 import httpx
 
 from tests.fakes import ScriptedEngine
@@ -15,6 +18,20 @@ def test_docs_are_open_in_development(gateway_factory, tiny_tokenizer):
         schema["paths"]
     )
     assert not any(p.startswith("/dashboard") for p in schema["paths"]), "the console's pages are not API"
+    components = schema["components"]["schemas"]
+    refs = set(re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(schema)))
+    assert refs <= set(components), f"dangling references: {refs - set(components)}"
+    for path, fields in {
+        "/v1/chat/completions": {"messages", "tools", "stream"},
+        "/v1/completions": {"prompt", "echo"},
+        "/v1/messages": {"messages", "system", "thinking"},
+        "/v1/responses": {"input", "instructions", "previous_response_id"},
+        "/rollouts/{rollout_id}/v1/chat/completions": {"messages"},
+    }.items():
+        ref = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        model = components[ref.rsplit("/", 1)[1]]
+        assert fields <= set(model["properties"]), (path, sorted(model["properties"]))
+        assert "200" in schema["paths"][path]["post"]["responses"]
     for page in ("/docs", "/redoc"):
         r = httpx.get(gw.url + page)
         assert r.status_code == 200 and "/openapi.json" in r.text, page

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from gateway.api.deps import State, require_admin
+from gateway.api.routing import HOISTED
 
 router = APIRouter(include_in_schema=False)
 
@@ -23,10 +25,25 @@ async def _allowed(request: Request, state: Any) -> None:
         await require_admin(request, state)
 
 
+def openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, with the serving routes' request models (``routing.HOISTED``) moved into the components."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            for name, model in operation.pop(HOISTED, {}).items():
+                components.update(model.pop("$defs", {}))
+                components[name] = model
+    app.openapi_schema = schema
+    return schema
+
+
 @router.get("/openapi.json")
 async def openapi(request: Request, state: State) -> JSONResponse:
     await _allowed(request, state)
-    return JSONResponse(request.app.openapi())
+    return JSONResponse(openapi_schema(request.app))
 
 
 @router.get("/docs")
