@@ -58,6 +58,8 @@ BASES: dict[str, dict[str, Any]] = {
     },
     "/v1/rollouts": {"task_id": "t", "harness": "h", "metadata": {}},
     "/v1/feedback": {"call_id": "call-x", "value": 1.0},
+    "/v1/policy/pin": {"version": 0},
+    "/v1/policy/rollback": {"version": 0},
 }
 
 
