@@ -1,43 +1,17 @@
 """vLLM engine: an httpx client of a vLLM (0.32) OpenAI-compatible server, token ids in and token ids out.
 
 Every generation is one streamed ``POST /v1/completions`` whose ``prompt`` is the token id list the gateway
-rendered. vLLM is asked for the sampled ids (``return_token_ids``) and their logprobs with ids as keys
-(``return_tokens_as_token_ids``); its own text output is ignored, because the gateway detokenizes the ids
-itself. vLLM still detokenizes internally (stop strings are matched on its text), with ``skip_special_tokens``
-off so a stop string is matched on the same text the local engine matches it on.
+rendered; the request body, the reading of vLLM's answers and the mapping of its errors onto ``gateway.errors``
+are pure functions in ``gateway.engines.vllm_wire`` (with the vLLM behaviour they rely on), so this module holds
+the HTTP client, the engine's lifecycle, adapters and aborts.
 
-Behaviour of vLLM 0.32 this client relies on, checked against a running server:
-
-- ``choices[].token_ids`` holds every sampled id, including the EOS or stop token that ended the generation
-  (vLLM only leaves it out of the *text*); the token that completes a stop string is the last one sent, and
-  tokens sampled after it in the same step are dropped. So no id has to be appended here.
-- ``stop_reason`` is ``null`` when the model's primary EOS id (the tokenizer's ``eos_token_id``) ended the
-  generation, the id for any other stop token, the string for a stop string. ``GenerationEnd.stop_reason``
-  reports the last sampled id in the first case, as the local engine does.
-- Logprobs are processed (after temperature, top-k and top-p) only when the server runs with
-  ``--logprobs-mode processed_logprobs`` (``VLLMServer`` passes it); at temperature 0 they are the raw,
-  unscaled logprobs. Tokens outside the top-k/top-p set have logprob -inf, which vLLM serializes as -9999.0;
-  such alternatives are dropped from ``top_logprobs``.
-- ``logprobs: N`` returns the sampled token plus the N most likely ones, so ``top_logprobs`` keeps the N best.
-- A prompt of exactly ``max_model_len`` tokens is rejected as "max_tokens must be at least 1", and
-  ``max_tokens > max_model_len`` is a 400, while a smaller ``max_tokens`` that does not fit is silently
-  clamped. The client therefore checks the prompt length and clamps ``max_tokens`` itself, like the local
-  engine.
-- Without ``--generation-config vllm`` the server fills unset sampling fields (repetition penalty, min_p, …)
-  from the model's ``generation_config.json``; every field that changes the distribution is sent explicitly.
-- Closing the stream closes the connection, and vLLM aborts a request whose client disconnected, but its API
-  server can notice that late: measured here, one closed stream went on for 3149 more tokens (25 s). So a
-  generation that ends before its finish (the consumer closed the stream, the task was cancelled) is also
-  aborted explicitly: each request carries ``X-Request-Id`` (vLLM names it ``cmpl-<id>-0``) and is named in
-  ``POST /inference/v1/abort_requests``, which vLLM serves when started with ``--enable-scale-out``
-  (``VLLMServer`` and the compose file pass it). Without that endpoint (403/404) the client stops trying and
-  relies on the disconnect alone.
-
-Errors map onto ``gateway.errors``: a 400 about the context length → ``ContextTooLong``, other 400/422 →
-``BadRequest``, 404 → ``NotFound``, 429 → ``RateLimited``, 503 → ``EngineUnavailable``, other statuses →
-``EngineError``; connection failures → ``EngineUnavailable``, timeouts → ``EngineTimeout``. An error event
-inside the stream carries the status vLLM would have answered with (some inputs are validated only after the
-stream began) and maps the same way when it is a 4xx; anything else there → ``EngineError``.
+Closing the stream closes the connection, and vLLM aborts a request whose client disconnected, but its API
+server can notice that late: measured here, one closed stream went on for 3149 more tokens (25 s). So a
+generation that ends before its finish (the consumer closed the stream, the task was cancelled) is also
+aborted explicitly: each request carries ``X-Request-Id`` (vLLM names it ``cmpl-<id>-0``) and is named in
+``POST /inference/v1/abort_requests``, which vLLM serves when started with ``--enable-scale-out``
+(``VLLMServer`` and the compose file pass it). Without that endpoint (403/404) the client stops trying and
+relies on the disconnect alone.
 """
 
 from __future__ import annotations
@@ -52,37 +26,19 @@ from typing import Any
 import httpx
 from httpx_aiohttp import AiohttpTransport
 
-from gateway.engines.base import (
-    FinishReason,
-    GenerationEnd,
-    GenerationEvent,
-    GenerationRequest,
-    TokenDelta,
+from gateway.engines.base import FinishReason, GenerationEnd, GenerationEvent, GenerationRequest
+from gateway.engines.vllm_wire import (
+    FINISH_REASONS,
+    completion_body,
+    error_from_response,
+    stream_error,
+    token_delta,
+    transport_error,
 )
-from gateway.errors import (
-    APIError,
-    BadRequest,
-    ContextTooLong,
-    EngineError,
-    EngineTimeout,
-    EngineUnavailable,
-    NotFound,
-    RateLimited,
-)
+from gateway.engines.vllm_wire import timings as read_timings
+from gateway.errors import APIError, BadRequest, EngineError, EngineTimeout, EngineUnavailable, NotFound
 
 logger = logging.getLogger(__name__)
-
-# vLLM writes -inf logprobs (tokens removed by top-k/top-p) as this value, since JSON has no infinity.
-_VLLM_NEG_INF = -9999.0
-_TOKEN_ID_PREFIX = "token_id:"
-_FINISH_REASONS: dict[str, FinishReason] = {
-    "stop": "stop",
-    "length": "length",
-    "abort": "abort",
-    # Only produced with `repetition_detection`, which this client never sets.
-    "repetition": "stop",
-}
-_CONTEXT_MARKERS = ("maximum context length", "too long")
 
 
 class VLLMEngine:
@@ -188,7 +144,7 @@ class VLLMEngine:
             async with http.stream("POST", f"{self.base_url}/v1/completions", json=body, headers=headers) as response:
                 if response.status_code >= 400:
                     await response.aread()
-                    raise _error_from_response(response)
+                    raise error_from_response(response)
                 running = True
                 async for line in response.aiter_lines():
                     if not line.startswith("data:"):
@@ -203,20 +159,20 @@ class VLLMEngine:
                     except ValueError as exc:
                         raise EngineError(f"vLLM sent an unreadable stream event: {data[:200]!r}") from exc
                     if "error" in chunk:
-                        raise _stream_error(chunk)
+                        raise stream_error(chunk)
                     for choice in chunk.get("choices") or ():
-                        delta = _token_delta(choice, request.params.top_logprobs)
+                        delta = token_delta(choice, request.params.top_logprobs)
                         if delta is not None:
                             last_token = delta.token_ids[-1]
                             yield delta
                         if choice.get("finish_reason") is not None:
-                            finish = _FINISH_REASONS.get(choice["finish_reason"], "stop")
+                            finish = FINISH_REASONS.get(choice["finish_reason"], "stop")
                             stop_reason = choice.get("stop_reason")
                             running = False
                     usage = chunk.get("usage")
                     if usage:
                         prompt_tokens = int(usage.get("prompt_tokens", prompt_tokens))
-                        timings = _timings(chunk.get("metrics"))
+                        timings = read_timings(chunk.get("metrics"))
         except httpx.TransportError as exc:
             raise self._transport_error(exc) from exc
         finally:
@@ -275,11 +231,7 @@ class VLLMEngine:
             logger.debug("vLLM refused to abort %s: %s %s", vllm_id, response.status_code, response.text[:200])
 
     def _transport_error(self, exc: httpx.TransportError) -> APIError:
-        if isinstance(exc, httpx.ConnectTimeout):
-            return EngineUnavailable(f"vLLM at {self.base_url} did not accept a connection")
-        if isinstance(exc, httpx.TimeoutException):
-            return EngineTimeout(f"vLLM at {self.base_url} timed out: {type(exc).__name__}")
-        return EngineUnavailable(f"vLLM at {self.base_url} is unreachable: {exc!r}")
+        return transport_error(self.base_url, exc)
 
     async def _generate_whole(self, request: GenerationRequest) -> AsyncGenerator[GenerationEvent, None]:
         """One unstreamed completion: the same events, in one piece."""
@@ -295,16 +247,16 @@ class VLLMEngine:
             self._abort_later(vllm_id)
             raise
         if response.status_code >= 400:
-            raise _error_from_response(response)
+            raise error_from_response(response)
         try:
             payload = response.json()
             choice = payload["choices"][0]
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise EngineError(f"vLLM sent an unreadable completion: {response.text[:200]!r}") from exc
-        delta = _token_delta(choice, request.params.top_logprobs)
+        delta = token_delta(choice, request.params.top_logprobs)
         if delta is not None:
             yield delta
-        finish = _FINISH_REASONS.get(choice.get("finish_reason") or "", "stop")
+        finish = FINISH_REASONS.get(choice.get("finish_reason") or "", "stop")
         stop_reason = choice.get("stop_reason")
         if finish == "stop" and stop_reason is None and delta is not None:
             stop_reason = delta.token_ids[-1]
@@ -313,51 +265,13 @@ class VLLMEngine:
             finish_reason=finish,
             stop_reason=stop_reason,
             prompt_tokens=int(usage.get("prompt_tokens", len(request.prompt_ids))),
-            timings=_timings(payload.get("metrics")),
+            timings=read_timings(payload.get("metrics")),
         )
 
     def _completion_body(self, request: GenerationRequest) -> dict[str, Any]:
-        params = request.params
-        prompt = request.prompt_ids
-        if not prompt:
-            raise BadRequest("the prompt is empty", param="prompt")
-        max_tokens = params.max_tokens
-        if self.max_model_len:
-            remaining = self.max_model_len - len(prompt)
-            if remaining < 1:
-                raise ContextTooLong(
-                    f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                    f"{len(prompt)} tokens, which leaves no room for a completion."
-                )
-            max_tokens = min(max_tokens, remaining)
-        stop_token_ids = list(dict.fromkeys((*self.eos_token_ids, *params.stop_token_ids)))
-        body: dict[str, Any] = {
-            "model": request.adapter or self.model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            # 0 disables top-k in vLLM as here (-1 is accepted too).
-            "top_k": params.top_k,
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "stop": list(params.stop),
-            "stop_token_ids": stop_token_ids,
-            "logprobs": params.top_logprobs,
-            "return_tokens_as_token_ids": True,
-            "return_token_ids": True,
-            "skip_special_tokens": False,
-            "spaces_between_special_tokens": False,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            # vLLM appends a random suffix internally, so a repeated id cannot collide there.
-            "request_id": request.request_id,
-        }
-        if params.seed is not None:
-            body["seed"] = params.seed
-        return body
+        return completion_body(
+            request, model=self.model, max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids
+        )
 
     # ---- adapters ----------------------------------------------------------------------------------------
 
@@ -367,7 +281,7 @@ class VLLMEngine:
         )
         if response.status_code < 400:
             return
-        error = _error_from_response(response)
+        error = error_from_response(response)
         # Loading the same name from the same folder again (say, after a gateway restart) is a no-op; a new
         # folder under an old name is refused, because vLLM's prefix cache would mix the two weights.
         if (
@@ -381,7 +295,7 @@ class VLLMEngine:
     async def unload_adapter(self, name: str) -> None:
         response = await self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
         if response.status_code >= 400:
-            raise _error_from_response(response)
+            raise error_from_response(response)
 
     async def adapters(self) -> list[str]:
         return [card["id"] for card in await self._model_cards() if card.get("parent")]
@@ -407,7 +321,7 @@ class VLLMEngine:
     async def _model_cards(self) -> list[dict[str, Any]]:
         response = await self._request("GET", "/v1/models")
         if response.status_code >= 400:
-            raise _error_from_response(response)
+            raise error_from_response(response)
         cards: list[dict[str, Any]] = response.json().get("data", [])
         return cards
 
@@ -423,88 +337,3 @@ class VLLMEngine:
                 root: str | None = card.get("root")
                 return root
         return None
-
-
-def _token_delta(choice: dict[str, Any], top_logprobs: int) -> TokenDelta | None:
-    token_ids = [int(t) for t in choice.get("token_ids") or ()]
-    if not token_ids:
-        return None
-    logprobs = choice.get("logprobs") or {}
-    values = logprobs.get("token_logprobs") or []
-    if len(values) != len(token_ids):
-        raise EngineError(f"vLLM sent {len(token_ids)} token ids with {len(values)} logprobs")
-    tops: list[dict[int, float]] | None = None
-    if top_logprobs > 0:
-        tops = []
-        for step in logprobs.get("top_logprobs") or [None] * len(token_ids):
-            candidates = [
-                (int(key.removeprefix(_TOKEN_ID_PREFIX)), float(value))
-                for key, value in (step or {}).items()
-                if value > _VLLM_NEG_INF
-            ]
-            # The sampled token is listed too, even when it is not among the best `top_logprobs`.
-            candidates.sort(key=lambda item: item[1], reverse=True)
-            tops.append(dict(candidates[:top_logprobs]))
-    return TokenDelta(token_ids=token_ids, logprobs=[float(v) for v in values], top_logprobs=tops)
-
-
-def _timings(metrics: dict[str, Any] | None) -> dict[str, float]:
-    """Per-request timings in seconds, present when the server runs with ``--enable-per-request-metrics``."""
-    if not metrics:
-        return {}
-    names = {"queue_time_ms": "queue", "time_to_first_token_ms": "prefill", "generation_time_ms": "decode"}
-    return {name: float(metrics[key]) / 1000 for key, name in names.items() if metrics.get(key) is not None}
-
-
-def _error_message(payload: Any) -> str:
-    if isinstance(payload, dict):
-        error = payload.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-        if "detail" in payload:  # FastAPI's own errors (unknown route, body validation)
-            return str(payload["detail"])
-    return str(payload)
-
-
-def _error_from_response(response: httpx.Response) -> APIError:
-    try:
-        payload: Any = response.json()
-    except ValueError:
-        payload = response.text
-    message = _error_message(payload)
-    if response.status_code == 404 and message == "Not Found":
-        message = (
-            f"vLLM has no route {response.request.url.path} (runtime LoRA loading needs "
-            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True on the server)"
-        )
-    return _error_for(response.status_code, message, payload)
-
-
-def _stream_error(chunk: dict[str, Any]) -> APIError:
-    """An error event inside a 200 stream: vLLM validates some inputs (token ids outside the vocabulary, for
-    one) only once the stream has begun, and then sends the status it would have answered with as ``code``."""
-    code = chunk.get("error", {}).get("code") if isinstance(chunk.get("error"), dict) else None
-    message = _error_message(chunk)
-    if isinstance(code, int) and 400 <= code < 500:
-        return _error_for(code, message, chunk)
-    return EngineError(f"vLLM failed during generation: {message}")
-
-
-def _error_for(status: int, message: str, payload: Any) -> APIError:
-    if status in (400, 422):
-        if any(marker in message.lower() for marker in _CONTEXT_MARKERS):
-            return ContextTooLong(message)
-        param = payload.get("error", {}).get("param") if isinstance(payload, dict) else None
-        return BadRequest(message, param=param if isinstance(param, str) else None)
-    if status == 404:
-        return NotFound(message, param="model", code="model_not_found")
-    if status == 429:
-        return RateLimited(message)
-    if status == 503:
-        return EngineUnavailable(f"vLLM is unavailable: {message}")
-    if status in (401, 403):
-        # The harness's credentials are fine; the gateway's key for vLLM is not.
-        return EngineError(f"vLLM refused the gateway's credentials ({status}): {message}")
-    return EngineError(f"vLLM answered {status}: {message}")
