@@ -41,7 +41,8 @@ sys.path.insert(0, str(ROOT))
 from gateway.conversation import Message, ToolCall, ToolSpec  # noqa: E402
 from gateway.render import Renderer  # noqa: E402
 from prefix_tree import CallView, RolloutTree, TreeConfig, build_tree  # noqa: E402
-from trainer.batch import PackedBatch, pack_trees, sequence_logprobs  # noqa: E402
+from trainer.batch import PackedBatch, pack_trees  # noqa: E402
+from trainer.logprobs import sequence_logprobs  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "harness-requests"
 # One per harness by default: the turn after a tool result, each in a different API.

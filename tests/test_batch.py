@@ -22,7 +22,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from prefix_tree import CallView, RolloutTree, TreeConfig, TreeNode, build_tree
-from trainer.batch import PackedBatch, pack_trees, prediction_logits, sequence_logprobs
+from trainer.batch import PackedBatch, pack_trees
+from trainer.logprobs import prediction_logits, sequence_logprobs
 
 VOCAB = 96
 CONFIG = TreeConfig(keep_subagents=True, max_leaves=None)

@@ -45,8 +45,7 @@ alone in its bin) is exactly causal and uses the model's own causal masking inst
 With a dense mask, attention computes the full L × L product (twice the work of a causal row of the same
 length), so against causal per-path rows tree packing always saves the projections and MLP of every repeated token
 but saves attention work only from about three paths sharing a prefix; a block-sparse mask (flex attention) would
-be the next step for long branched trees. Logits are computed only at source positions
-(``logits_to_keep``), never over the whole vocabulary at every context position.
+be the next step for long branched trees. The forward pass over a batch is ``logprobs.py``.
 
 Pure torch and numpy; no database.
 """
@@ -68,10 +67,7 @@ __all__ = [
     "STRATEGIES",
     "PackedBatch",
     "Strategy",
-    "logprobs_from_logits",
     "pack_trees",
-    "prediction_logits",
-    "sequence_logprobs",
 ]
 
 Strategy = Literal["tree", "paths"]
@@ -437,44 +433,3 @@ def pack_trees(
     if strategy == "tree":
         return [_batch(strategy, [_lay_out(members, all_tokens)]) for members in bins]
     return [_batch(strategy, [_lay_out([item], all_tokens) for item in members]) for members in bins]
-
-
-# ------------------------------------------------------------------------------------------------ model side
-
-
-def _attn_implementation(model: Any) -> str | None:
-    config = getattr(model, "config", None)
-    return getattr(config, "_attn_implementation", None)
-
-
-def prediction_logits(model: Any, batch: PackedBatch, *, temperature: float = 1.0) -> torch.Tensor:
-    """[P, V] float32 logits of every prediction of ``batch`` (divided by ``temperature``).
-
-    ``model`` is a transformers causal LM (or a PEFT model around one) that accepts ``position_ids``, a 4-D
-    ``attention_mask`` and a tensor ``logits_to_keep``. The result is on the model's device (the batch is moved
-    there if needed); for entropies, pass it to ``loss.token_entropy``.
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
-    weight = model.get_input_embeddings().weight
-    if batch.input_ids.device != weight.device:
-        batch = batch.to(weight.device)
-    inputs = batch.model_inputs(_attn_implementation(model), weight.dtype)
-    if batch.num_predictions == 0:
-        vocab = model.get_output_embeddings().weight.shape[0]
-        return torch.zeros(0, vocab, device=batch.input_ids.device)
-    # Only the source positions' logits: for long contexts the vocabulary projection dominates memory otherwise.
-    keep = torch.unique(batch.sources)  # sorted
-    out = model(**inputs, logits_to_keep=keep, use_cache=False)
-    logits = out.logits[batch.rows, torch.searchsorted(keep, batch.sources)].float()
-    return logits / temperature if temperature != 1.0 else logits
-
-
-def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[target] per row, without materializing the full log-softmax."""
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def sequence_logprobs(model: Any, batch: PackedBatch, *, temperature: float = 1.0) -> torch.Tensor:
-    """[P] logprob of each prediction's target under ``model`` (temperature 1 matches processed sampling logprobs)."""
-    return logprobs_from_logits(prediction_logits(model, batch, temperature=temperature), batch.targets)

@@ -56,7 +56,8 @@ from torch import Tensor, nn
 
 from prefix_tree import RolloutTree, TreeNode
 from trainer.advantages import gae, terminal_rewards
-from trainer.batch import PackedBatch, logprobs_from_logits, pack_trees
+from trainer.batch import PackedBatch, pack_trees
+from trainer.logprobs import logprobs_from_logits
 from trainer.loss import policy_loss, value_loss
 
 __all__ = [
@@ -259,7 +260,7 @@ def token_targets(branches: Sequence[Branch]) -> dict[Key, tuple[float, float]]:
 def _forward(policy: Any, batch: PackedBatch, temperature: float) -> tuple[Tensor, Tensor]:
     """[P] logprobs and [P, H] last hidden states of every prediction of ``batch`` (at its source position).
 
-    As ``batch.prediction_logits``, and the hidden states are the input of the output projection, caught by a
+    As ``logprobs.prediction_logits``, and the hidden states are the input of the output projection, caught by a
     forward pre-hook: that input is exactly the final hidden state at the kept source positions, for any causal
     LM, without keeping every layer's hidden states as ``output_hidden_states`` would.
     """

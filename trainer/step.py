@@ -52,9 +52,10 @@ from gateway.store.training_data import RolloutData, load_rollout, load_turns, t
 from prefix_tree import RolloutTree
 from trainer import lora, ppo, publish
 from trainer.advantages import AdvantageResult, batch_advantages, group_advantages
-from trainer.batch import pack_trees, sequence_logprobs
+from trainer.batch import pack_trees
 from trainer.config import TrainConfig, resolve_device
 from trainer.credit import Credit, CreditTable
+from trainer.logprobs import sequence_logprobs
 from trainer.loss import policy_loss
 from trainer.plan import StepPlan, StepResult, group_of, served_version
 
