@@ -42,7 +42,7 @@ from gateway.service import ChatService
 from gateway.sessions import SessionIndex
 from gateway.settings import Settings
 from gateway.state import AppState
-from gateway.store import db, rollouts
+from gateway.store import db, rollout_lifecycle
 from gateway.store.errors import is_transient
 from gateway.store.writer import CallWriter
 
@@ -81,7 +81,7 @@ async def close_idle_sessions(store: Any, writer: CallWriter, service: ChatServi
             continue  # the writer reports the outage; closing must wait until the calls before it are stored
         try:
             await writer.flush()
-            closed = await asyncio.to_thread(rollouts.close_idle, store, idle_seconds)
+            closed = await asyncio.to_thread(rollout_lifecycle.close_idle, store, idle_seconds)
         except Exception as exc:  # the database may be down; try again later
             fault.failed(describe(exc), exc)
             continue

@@ -167,7 +167,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Rollouts with their calls, rewards and trees as JSON lines."""
     import json
 
-    from gateway.store import db, rollouts
+    from gateway.store import db, rollout_lifecycle
     from gateway.store.training_data import load_rollout, rollout_ids
 
     engine = db.connect(_db_url(args))
@@ -175,7 +175,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         ids = rollout_ids(engine, status=args.status, limit=args.limit)
         for n, rollout_id in enumerate(ids, 1):
-            record = rollouts.detail(engine, rollout_id, with_tokens=not args.no_tokens)
+            record = rollout_lifecycle.detail(engine, rollout_id, with_tokens=not args.no_tokens)
             data = load_rollout(engine, rollout_id, _tree_config(args))
             if data is not None:
                 record["tree"] = data.tree.to_json(include_tokens=not args.no_tokens)

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from gateway.store.rollouts import default_group
+from gateway.store.rollout_lifecycle import default_group
 from prefix_tree import CallView, TreeConfig, build_tree
 from trainer.advantages import (
     SINGLETON,

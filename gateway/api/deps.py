@@ -15,7 +15,7 @@ from fastapi import Depends, Request
 from gateway.errors import BadRequest, EngineUnavailable, Forbidden, Unauthorized
 from gateway.job import RolloutRef
 from gateway.state import AppState
-from gateway.store import rollouts
+from gateway.store import rollout_lifecycle
 
 ROLLOUT_HEADER = "x-rollout-id"
 ROLLOUT_ID_MAX = 100
@@ -63,7 +63,7 @@ async def store_caught_up(state: AppState) -> None:
 
 async def rollout_key_hash(state: AppState, rollout_id: str) -> str | None:
     if rollout_id not in state.rollout_keys:
-        state.rollout_keys[rollout_id] = await asyncio.to_thread(rollouts.key_hash_of, state.db, rollout_id)
+        state.rollout_keys[rollout_id] = await asyncio.to_thread(rollout_lifecycle.key_hash_of, state.db, rollout_id)
     return state.rollout_keys[rollout_id]
 
 
@@ -71,7 +71,7 @@ async def _rollout_key_ok(state: AppState, key: str, rollout_id: str | None) -> 
     """A per-rollout key works only for its own rollout (403 otherwise, without saying whose key it is)."""
     if rollout_id is None:
         raise Forbidden("a rollout key can only be used under its rollout's base_url or with X-Rollout-Id")
-    if not rollouts.key_matches(key, await rollout_key_hash(state, rollout_id)):
+    if not rollout_lifecycle.key_matches(key, await rollout_key_hash(state, rollout_id)):
         raise Forbidden(f"this key does not grant access to rollout {rollout_id!r}")
 
 
@@ -83,7 +83,7 @@ def _request_rollout_id(request: Request) -> str | None:
 async def require_client(request: Request, state: State) -> None:
     """Serving routes: a client key (CLAWGATE_API_KEYS), or the per-rollout key of the rollout addressed."""
     key = presented_key(request)
-    if key is not None and key.startswith(rollouts.ROLLOUT_KEY_PREFIX):
+    if key is not None and key.startswith(rollout_lifecycle.ROLLOUT_KEY_PREFIX):
         await _rollout_key_ok(state, key, _request_rollout_id(request))
         return
     keys = state.settings.api_keys
@@ -102,7 +102,7 @@ async def require_admin(request: Request, state: State) -> None:
     key = presented_key(request)
     if _is_admin(state, key):
         return
-    if key is not None and key.startswith(rollouts.ROLLOUT_KEY_PREFIX):
+    if key is not None and key.startswith(rollout_lifecycle.ROLLOUT_KEY_PREFIX):
         raise Forbidden("a rollout key cannot use this endpoint")
     raise Unauthorized("this endpoint needs the admin key", code="invalid_api_key")
 
@@ -110,7 +110,7 @@ async def require_admin(request: Request, state: State) -> None:
 async def authorize_rollout(request: Request, state: AppState, rollout_id: str) -> None:
     """Rollout endpoints: the admin key, or that rollout's own key."""
     key = presented_key(request)
-    if key is not None and key.startswith(rollouts.ROLLOUT_KEY_PREFIX):
+    if key is not None and key.startswith(rollout_lifecycle.ROLLOUT_KEY_PREFIX):
         await _rollout_key_ok(state, key, rollout_id)
         return
     if not _is_admin(state, key):

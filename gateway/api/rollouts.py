@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query, Request
 from gateway.api.deps import AdminAuth, State, authorize_rollout, store_caught_up
 from gateway.errors import NotFound
 from gateway.protocol.rollouts import CreateRollout, FinishRollout, PostFeedback, PostReward
-from gateway.store import console, rollouts
+from gateway.store import console, rollout_lifecycle
 from gateway.store.training_data import load_rollout
 
 router = APIRouter()
@@ -24,7 +24,7 @@ router = APIRouter()
 @router.post("/v1/rollouts", dependencies=[AdminAuth], status_code=201)
 async def create_rollout(body: CreateRollout, request: Request, state: State) -> dict[str, Any]:
     rollout, key = await asyncio.to_thread(
-        rollouts.create,
+        rollout_lifecycle.create,
         state.db,
         task_id=body.task_id,
         harness=body.harness,
@@ -34,7 +34,7 @@ async def create_rollout(body: CreateRollout, request: Request, state: State) ->
     )
     state.rollout_keys[rollout.id] = rollout.api_key_hash
     base = str(request.base_url).rstrip("/")
-    return {**rollouts.summary(rollout), "api_key": key, "base_url": f"{base}/rollouts/{rollout.id}/v1"}
+    return {**rollout_lifecycle.summary(rollout), "api_key": key, "base_url": f"{base}/rollouts/{rollout.id}/v1"}
 
 
 @router.post("/v1/rollouts/{rollout_id}/reward", status_code=201)
@@ -42,9 +42,9 @@ async def post_reward(rollout_id: str, body: PostReward, request: Request, state
     await authorize_rollout(request, state, rollout_id)
     await store_caught_up(state)  # the rollout row may still be in the capture queue
     reward = await asyncio.to_thread(
-        rollouts.add_reward, state.db, rollout_id, body.value, source=body.source, details=body.details
+        rollout_lifecycle.add_reward, state.db, rollout_id, body.value, source=body.source, details=body.details
     )
-    return rollouts.reward_dict(reward)
+    return rollout_lifecycle.reward_dict(reward)
 
 
 @router.post("/v1/rollouts/{rollout_id}/finish")
@@ -54,8 +54,8 @@ async def finish_rollout(rollout_id: str, request: Request, state: State) -> dic
     body = FinishRollout.model_validate_json(raw) if raw.strip() else FinishRollout()
     # Every call served so far must be in the store before the rollout is marked ready for training.
     await store_caught_up(state)
-    rollout = await asyncio.to_thread(rollouts.finish, state.db, rollout_id, body.status, body.reason)
-    return rollouts.summary(rollout)
+    rollout = await asyncio.to_thread(rollout_lifecycle.finish, state.db, rollout_id, body.status, body.reason)
+    return rollout_lifecycle.summary(rollout)
 
 
 @router.get("/v1/rollouts", dependencies=[AdminAuth])
@@ -72,15 +72,17 @@ async def list_rollouts(
     limit: int = Query(default=50, ge=1, le=500),
     cursor: str | None = None,
 ) -> dict[str, Any]:
-    f = rollouts.RolloutFilter(task_id, harness, status, group, policy_version, since, until, eval)
-    rows, next_cursor = await asyncio.to_thread(rollouts.list_rollouts, state.db, f, limit=limit, cursor=cursor)
+    f = rollout_lifecycle.RolloutFilter(task_id, harness, status, group, policy_version, since, until, eval)
+    rows, next_cursor = await asyncio.to_thread(
+        rollout_lifecycle.list_rollouts, state.db, f, limit=limit, cursor=cursor
+    )
     stats = await asyncio.to_thread(console.rollout_stats, state.db, [r.id for r in rows])
     data = []
     for r in rows:
         s = stats[r.id]
         data.append(
             {
-                **rollouts.summary(r),
+                **rollout_lifecycle.summary(r),
                 "reward": s.reward,
                 "calls": s.calls,
                 "prompt_tokens": s.prompt_tokens,
@@ -95,7 +97,7 @@ async def list_rollouts(
 async def get_rollout(rollout_id: str, request: Request, state: State, tokens: bool = True) -> dict[str, Any]:
     await authorize_rollout(request, state, rollout_id)
     await store_caught_up(state)
-    return await asyncio.to_thread(rollouts.detail, state.db, rollout_id, with_tokens=tokens)
+    return await asyncio.to_thread(rollout_lifecycle.detail, state.db, rollout_id, with_tokens=tokens)
 
 
 @router.get("/v1/rollouts/{rollout_id}/tree")
@@ -113,16 +115,16 @@ async def get_tree(rollout_id: str, request: Request, state: State, tokens: bool
 async def post_feedback(body: PostFeedback, state: State) -> dict[str, Any]:
     await store_caught_up(state)
     if body.call_id is not None:
-        targets = [(body.call_id, await asyncio.to_thread(rollouts.call_rollout, state.db, body.call_id))]
+        targets = [(body.call_id, await asyncio.to_thread(rollout_lifecycle.call_rollout, state.db, body.call_id))]
     else:
         assert body.response_id is not None
-        targets = await asyncio.to_thread(rollouts.calls_of_request, state.db, body.response_id)
+        targets = await asyncio.to_thread(rollout_lifecycle.calls_of_request, state.db, body.response_id)
         if not targets:
             raise NotFound(f"no calls for response {body.response_id!r}", param="response_id")
     rewards = []
     for call_id, rollout_id in targets:
         reward = await asyncio.to_thread(
-            rollouts.add_reward,
+            rollout_lifecycle.add_reward,
             state.db,
             rollout_id,
             body.value,
@@ -130,5 +132,5 @@ async def post_feedback(body: PostFeedback, state: State) -> dict[str, Any]:
             details=body.details,
             call_id=call_id,
         )
-        rewards.append(rollouts.reward_dict(reward))
+        rewards.append(rollout_lifecycle.reward_dict(reward))
     return {"object": "list", "data": rewards}

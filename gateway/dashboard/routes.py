@@ -27,7 +27,7 @@ from gateway.api.deps import State
 from gateway.dashboard import auth, charts
 from gateway.errors import NotFound
 from gateway.state import AppState
-from gateway.store import console, policy_control, rollouts
+from gateway.store import console, policy_control, rollout_lifecycle
 from gateway.store.readiness import training_counts
 from gateway.store.training_data import load_rollout
 
@@ -277,7 +277,7 @@ async def rollout_detail(request: Request, state: State, rollout_id: str) -> Res
 
 def _rollout_view(state: AppState, rollout_id: str) -> dict[str, Any]:
     """The rollout's calls decoded (the prompt's new part, the completion token by token), rewards and tree."""
-    data = rollouts.detail(state.db, rollout_id, with_tokens=True)
+    data = rollout_lifecycle.detail(state.db, rollout_id, with_tokens=True)
     tok = state.tokenizer
     by_id = {c["id"]: c for c in data["calls"]}
     rewards_of: dict[str | None, list[dict[str, Any]]] = {}

@@ -9,7 +9,7 @@
 - ``errors``: ``CaptureFull`` and which database errors are transient.
 - ``writer``: ``CallWriter``, the non-blocking, batching, never-losing capture writer.
 - ``repo``: reads, including a call's full prompt and request rebuilt from parent deltas.
-- ``rollouts``: the rollout lifecycle (create, reward, finish, list, inspect) and rollout keys.
+- ``rollout_lifecycle``: the rollout lifecycle (create, reward, finish, list, inspect) and rollout keys.
 - ``turns``, ``readiness``: what the trainer may take now (ready turns and rollouts, stale data, the backlog).
 - ``training_data``: a rollout's calls as the prefix tree's input, its tree and reward; ready turns.
 """
