@@ -70,7 +70,9 @@ def test_a_database_outage_slows_nothing_floods_nothing_and_loses_nothing(
     # The first call finds the outage out (one failed commit); the ones after it do not wait for the database.
     later = sorted(latencies[1:])
     p95 = later[int(0.95 * (len(later) - 1))]
-    assert len(later) >= 50 and p95 < 0.2, f"calls slowed down during the outage: p95 {p95:.3f}s, max {later[-1]:.3f}s"
+    # Waiting for durability would cost 5 s a call; normal calls here take 10-50 ms idle and up to ~0.25 s on a
+    # loaded 2-core machine, so 0.5 s tells the two apart without failing on a busy machine.
+    assert len(later) >= 50 and p95 < 0.5, f"calls slowed down during the outage: p95 {p95:.3f}s, max {later[-1]:.3f}s"
     print(
         f"{len(latencies)} calls in a {OUTAGE_S:.0f}s outage: first {latencies[0] * 1000:.0f} ms, "
         f"median {statistics.median(later) * 1000:.1f} ms, p95 {p95 * 1000:.1f} ms"
