@@ -2,6 +2,13 @@
 
 ``build_app(settings)`` is the only place where serving objects are created; they live on
 ``app.state.clawgate`` (an ``AppState``). Tests pass their own engine to exercise edge cases.
+
+Any number of gateway processes may share one database (and one engine): what a call needs to find its
+conversation is in the database with this process's memory as a cache (``continuity.py``, ``response_store.py``),
+and what runs per process is made safe to run N times: each process has its own spool directory (``spool.claim_dir``),
+every process's idle-close loop closes through a locking update and learns the closes of the others, each reports
+the adapters it uses so no other unloads them (``adapter_leases``), and each serves its own /metrics (scrape every
+process).
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -42,7 +50,7 @@ from gateway.service import ChatService
 from gateway.sessions import SessionIndex
 from gateway.settings import Settings
 from gateway.state import AppState
-from gateway.store import db, rollout_lifecycle
+from gateway.store import adapter_leases, db, rollout_lifecycle, spool
 from gateway.store.errors import is_transient
 from gateway.store.writer import CallWriter
 
@@ -72,9 +80,11 @@ def make_engine(settings: Settings, tokenizer: Any) -> Engine:
 
 
 async def close_idle_sessions(store: Any, writer: CallWriter, service: ChatService, idle_seconds: float) -> None:
-    """Finish implicit and harness-session rollouts nobody has used for ``idle_seconds`` (they have no explicit end)."""
+    """Finish implicit and harness-session rollouts nobody has used for ``idle_seconds`` (they have no explicit end),
+    and learn which ones other gateway processes finished (so none of their conversations is extended here)."""
     interval = min(60.0, idle_seconds / 4)
     fault = Fault(log, "session closer: cannot close idle sessions")
+    since = datetime.now(UTC)
     while True:
         await asyncio.sleep(interval)
         if writer.degraded:
@@ -82,6 +92,9 @@ async def close_idle_sessions(store: Any, writer: CallWriter, service: ChatServi
         try:
             await writer.flush()
             closed = await asyncio.to_thread(rollout_lifecycle.close_idle, store, idle_seconds)
+            # Overlapping windows: a close committed while the last look ran is not missed.
+            looked, since = since, datetime.now(UTC) - timedelta(seconds=interval)
+            service.close_rollouts(await asyncio.to_thread(rollout_lifecycle.closed_since, store, looked))
         except Exception as exc:  # the database may be down; try again later
             fault.failed(describe(exc), exc)
             continue
@@ -89,6 +102,22 @@ async def close_idle_sessions(store: Any, writer: CallWriter, service: ChatServi
         if closed:
             service.close_rollouts(closed)
             log.info("closed %d idle session rollout(s)", len(closed))
+
+
+async def report_adapters(store: Any, gateway_id: str, service: ChatService, interval: float) -> None:
+    """Heartbeat the adapters this gateway serves or runs calls on, so no other gateway unloads them."""
+    fault = Fault(log, "adapter heartbeat: cannot report the adapters in use")
+    while True:
+        in_use = {name for name, n in service.adapter_in_flight.items() if n > 0}
+        if service.adapter is not None:
+            in_use.add(service.adapter)
+        try:
+            await asyncio.to_thread(adapter_leases.heartbeat, store, gateway_id, in_use)
+        except Exception as exc:
+            fault.failed(describe(exc), exc)
+        else:
+            fault.cleared()
+        await asyncio.sleep(interval)
 
 
 def redact_url(url: str) -> str:
@@ -121,9 +150,10 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
             )
         metrics = Metrics()
         store = db.connect(settings.database_url)
+        spool_dir, spool_lock = spool.claim_dir(settings.data_dir / "spool")
         writer = CallWriter(
             store,
-            spool_dir=settings.data_dir / "spool",
+            spool_dir=spool_dir,
             batch_size=settings.capture_batch_size,
             flush_interval=settings.capture_flush_interval,
             max_queue=settings.capture_max_queue,
@@ -145,6 +175,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
             db=store,
             durable_capture=settings.capture_durable,
             tool_error_reward=settings.tool_error_reward,
+            session_idle_timeout=settings.session_idle_timeout,
         )
         names = {settings.model_name, *(a for a in settings.model_aliases if a != "*")}
         app.state.clawgate = AppState(
@@ -160,7 +191,12 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
             accept_any_model="*" in settings.model_aliases,
             started_at=time.time(),
             db=store,
-            responses=ResponseStore(max_responses=settings.responses_store_size),
+            responses=ResponseStore(
+                max_responses=settings.responses_store_size,
+                db=store,
+                # Without durable capture another process commits a response within its flush interval.
+                miss_wait_s=0.0 if settings.capture_durable else 1.0,
+            ),
         )
         log.info(
             "clawgate %s serving %s (engine %s, context %d tokens)",
@@ -169,9 +205,15 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
             eng.name,
             eng.max_model_len,
         )
-        tasks = [asyncio.create_task(close_idle_sessions(store, writer, service, settings.session_idle_timeout))]
+        gateway_id = adapter_leases.new_gateway_id()
+        tasks = [
+            asyncio.create_task(close_idle_sessions(store, writer, service, settings.session_idle_timeout)),
+            asyncio.create_task(report_adapters(store, gateway_id, service, settings.adapter_heartbeat_interval)),
+        ]
         if settings.policy_follow:
-            follower = PolicyFollower(settings, eng, service, store, metrics, probe_ids=tok.encode("Hello"))
+            follower = PolicyFollower(
+                settings, eng, service, store, metrics, probe_ids=tok.encode("Hello"), gateway_id=gateway_id
+            )
             app.state.clawgate.policy = follower
             try:  # serve the newest published version from the first call on
                 await follower.sync()
@@ -188,7 +230,10 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
                     await task
             await eng.close()
             await writer.close(timeout=30.0)
+            with suppress(Exception):  # best effort: the lease expires anyway
+                await asyncio.to_thread(adapter_leases.forget, store, gateway_id)
             store.dispose()
+            spool_lock.close()
 
     # The schema and documentation pages are served by gateway/api/docs.py (admin-only in production).
     app = FastAPI(

@@ -57,6 +57,32 @@ class Message:
         return out
 
 
+def message_to_dict(message: Message) -> dict[str, Any]:
+    """A JSON-ready form of a message, for storage (``message_from_dict`` reads it back equal)."""
+    out: dict[str, Any] = {"role": message.role}
+    for key in ("content", "reasoning", "tool_call_id", "name"):
+        value = getattr(message, key)
+        if value is not None:
+            out[key] = value
+    if message.tool_calls:
+        out["tool_calls"] = [{"name": tc.name, "arguments": tc.arguments, "id": tc.id} for tc in message.tool_calls]
+    if message.is_error:
+        out["is_error"] = True
+    return out
+
+
+def message_from_dict(data: dict[str, Any]) -> Message:
+    return Message(
+        role=data["role"],
+        content=data.get("content"),
+        reasoning=data.get("reasoning"),
+        tool_calls=[ToolCall(tc["name"], tc["arguments"], id=tc.get("id")) for tc in data.get("tool_calls", [])],
+        tool_call_id=data.get("tool_call_id"),
+        name=data.get("name"),
+        is_error=bool(data.get("is_error", False)),
+    )
+
+
 @dataclass(slots=True)
 class ToolSpec:
     name: str

@@ -7,11 +7,12 @@ name no protocol's fields, so a protocol is added without touching the service.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from gateway.conversation import Message, ToolSpec
+from gateway.conversation import Message, ToolSpec, message_to_dict
 from gateway.engines.base import SamplingParams
 from gateway.parsers.base import ParsedOutput, ToolCallDelta
 from gateway.sessions import PromptPlan
@@ -48,6 +49,24 @@ class ToolUse:
 
 
 @dataclass(slots=True)
+class ResponseCapture:
+    """A Responses-API answer to store with its call, so any gateway process can continue it later.
+
+    ``items`` are the conversation messages the request added after the response it continues; ``answer`` turns
+    the parsed output into the answer message as the conversation continues it (with the protocol's call ids).
+    """
+
+    previous_id: str | None
+    stored: bool
+    items: list[Message]
+    answer: Callable[[ParsedOutput], Message]
+
+    def row(self, response_id: str, output: ParsedOutput) -> dict[str, Any]:
+        items = [message_to_dict(m) for m in [*self.items, self.answer(output)]] if self.stored else None
+        return {"id": response_id, "previous_id": self.previous_id, "stored": self.stored, "items": items}
+
+
+@dataclass(slots=True)
 class ChatJob:
     """One request as the service sees it: the conversation and tools, how to sample, who it belongs to."""
 
@@ -70,6 +89,8 @@ class ChatJob:
     parse_output: bool = True
     # Set for token-level APIs (completions): the prompt as given, no chat rendering or splicing.
     prompt_ids: list[int] | None = None
+    # Responses API: the answer to store for ``previous_response_id``, committed with the call.
+    response: ResponseCapture | None = None
 
 
 @dataclass(slots=True)

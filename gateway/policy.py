@@ -10,7 +10,9 @@ The trainer publishes ``policy@vN`` by writing its directory and then committing
 3. routes new calls to it (one assignment on the event loop, so a request sees either the old or the new version,
    never a mix); calls already running keep the version they started on, and each call records its version;
 4. marks it current in the database (``is_current``, ``loaded_at``, ``current_at``: the swap latency);
-5. unloads versions beyond the newest ``policy_keep_loaded`` once no call of this gateway still runs on them.
+5. unloads versions beyond the newest ``policy_keep_loaded`` once no call of this gateway still runs on them and
+   no other live gateway on the database reports serving them or running calls on them (``adapter_leases``:
+   several gateways may share one engine).
 
 A version that fails to load or to answer is reported (log, metric) and skipped; the gateway keeps serving the
 version it had. If the engine lost the current adapter (a restarted engine), it is loaded again.
@@ -36,7 +38,7 @@ from gateway.faults import Fault, describe
 from gateway.metrics import Metrics
 from gateway.service import ChatService
 from gateway.settings import Settings
-from gateway.store import policy_control
+from gateway.store import adapter_leases, policy_control
 from gateway.store.models import PolicyVersion
 
 log = logging.getLogger("clawgate.policy")
@@ -88,6 +90,7 @@ class PolicyFollower:
         db: sa.Engine,
         metrics: Metrics,
         probe_ids: list[int],
+        gateway_id: str | None = None,
     ) -> None:
         self.settings = settings
         self.engine = engine
@@ -95,6 +98,8 @@ class PolicyFollower:
         self.db = db
         self.metrics = metrics
         self.probe_ids = probe_ids or [0]
+        # This process, as its adapter heartbeats name it (``adapter_leases``).
+        self.gateway_id = gateway_id or adapter_leases.new_gateway_id()
         self.current: int | None = None
         self.loaded: dict[int, str] = {}  # version -> adapter name, of the versions this gateway loaded, oldest first
         self.failed: set[int] = set()
@@ -207,6 +212,10 @@ class PolicyFollower:
                 return
             if self.service.adapter_in_flight.get(name, 0) > 0:
                 return  # calls still run on it: next time
+            lease = self.settings.adapter_lease_seconds
+            others = await asyncio.to_thread(adapter_leases.used_elsewhere, self.db, self.gateway_id, name, lease)
+            if others:
+                return  # another gateway on this engine still serves it or runs calls on it: next time
             try:
                 await self.engine.unload_adapter(name)
             except Exception as exc:

@@ -22,10 +22,11 @@ from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from gateway.continuity import Continuity
 from gateway.conversation import Message, ToolCall, exact_hash, extend_hash, output_hash
 from gateway.detokenize import IncrementalDetokenizer
 from gateway.engines.base import Engine, GenerationEnd, GenerationRequest, TokenDelta
@@ -40,7 +41,6 @@ from gateway.parsers.plain import PlainText
 from gateway.render import Renderer
 from gateway.sessions import CallEntry, PromptPlan, SessionIndex, plan_prompt
 from gateway.stops import StopTrimmer
-from gateway.store import repo
 from gateway.store.errors import CaptureFull
 from gateway.store.records import CallRecord, RewardRecord, RolloutRecord
 from gateway.store.writer import CallWriter
@@ -78,6 +78,7 @@ class ChatService:
         durable_capture: bool = False,
         tool_error_reward: float = 0.0,
         max_in_flight: int = 0,
+        session_idle_timeout: float = 1800.0,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -99,6 +100,8 @@ class ChatService:
         # Implicit rollouts the gateway closed: a conversation that resumes after that starts a new rollout
         # (still spliced from the raw tokens), so nothing is added to a rollout that may already be trained.
         self.closed_rollouts: set[str] = set()
+        # What the index does not know is looked up in the database: another gateway process may have served it.
+        self.continuity = Continuity(db, renderer, index, self.closed_rollouts, session_idle_timeout)
         # Calls generating now, and the most allowed at once (0: no limit); more are refused with a 503.
         self.in_flight = 0
         self.max_in_flight = max_in_flight
@@ -131,7 +134,7 @@ class ChatService:
         started_at = datetime.now(UTC)
         scope = job.rollout.id
         # Rendering and tokenizing are CPU work: keep them off the event loop.
-        plan, exact = await asyncio.to_thread(self._plan, job, scope)
+        plan, exact, join = await asyncio.to_thread(self._plan, job, scope)
         render_s = time.perf_counter() - t0
         self.metrics.render_mode.labels(plan.mode).inc()
         if plan.mode == "drifted":
@@ -155,7 +158,7 @@ class ChatService:
         params = replace(params, max_tokens=max_tokens)
         if job.rollout.id is not None:
             rollout_id = job.rollout.id
-        elif plan.parent is not None and plan.parent.rollout_id not in self.closed_rollouts:
+        elif plan.parent is not None and join:
             rollout_id = plan.parent.rollout_id
         else:
             rollout_id = new_id("ro")
@@ -182,34 +185,18 @@ class ChatService:
             forced_text=forced_text,
         )
 
-    def _plan(self, job: ChatJob, scope: str | None) -> tuple[PromptPlan, list[bytes]]:
+    def _plan(self, job: ChatJob, scope: str | None) -> tuple[PromptPlan, list[bytes], bool]:
+        """The prompt plan, the request's exact message hashes, and whether it may join its parent's rollout."""
         if job.prompt_ids is not None:
-            return PromptPlan(list(job.prompt_ids), "raw", None, []), []
-        plan = plan_prompt(self.renderer, self.index, scope, job.messages, job.tools, self._stored_parent)
+            return PromptPlan(list(job.prompt_ids), "raw", None, []), [], False
+        shared = self.continuity
+        plan = plan_prompt(
+            self.renderer, self.index, scope, job.messages, job.tools, shared.stored_parent, shared.known_outputs
+        )
         raw = job.raw_messages
         exact = [exact_hash(m) for m in raw] if isinstance(raw, list) else []
-        return plan, exact
-
-    def _stored_parent(self, scope: str | None, tail: bytes) -> CallEntry | None:
-        """The call that ended the conversation ``tail``, from the database (runs in a worker thread)."""
-        if self.db is None:
-            return None
-        call = repo.continued_call(self.db, tail.hex(), scope)
-        if call is None:
-            return None
-        if scope is None and not call.rollout_open:
-            self.closed_rollouts.add(call.rollout_id)
-        entry = CallEntry(
-            call_id=call.call_id,
-            rollout_id=call.rollout_id,
-            token_ids=call.token_ids,
-            ends_with_end_of_turn=self.renderer.ends_with_end_of_turn(call.completion_ids),
-            exact_hashes=[exact_hash(m) for m in call.messages],
-            explicit=scope is not None,
-        )
-        log.info("continuing call %s found in the database", call.call_id)
-        self.index.add(scope, tail, b"", entry)
-        return entry
+        join = scope is None and plan.parent is not None and shared.can_join(plan.parent)
+        return plan, exact, join
 
     # -- generate -------------------------------------------------------------------------------------------
     async def run_choice(self, prep: Prepared, index: int) -> AsyncIterator[ChoiceDelta | ChoiceResult]:
@@ -239,7 +226,8 @@ class ChatService:
         deltas: list[ParseDelta] = [opening]
         status, error = "failed", None
         recorded = False
-        tail_hash: str | None = None
+        hashes: tuple[str, str] | None = None  # the conversation's tail hash and the answer's hash
+        response: dict[str, Any] | None = None
         end: GenerationEnd | None = None
         t_engine = time.perf_counter()
         t_first: float | None = None
@@ -292,13 +280,15 @@ class ChatService:
             finish: str = end.finish_reason if end.finish_reason != "abort" else "stop"
             if output.tool_calls and finish == "stop":
                 finish = "tool_calls"
-            tail_hash = self._register(prep, call_id, ids, output)
+            hashes = self._register(prep, call_id, ids, output)
+            if job.response is not None and index == 0:
+                response = job.response.row(prep.request_id, output)
             status = "ok"
             if self.durable_capture:
                 # Commit the call before the client sees its end (the last chunk, or the whole response): a served
                 # call then survives even a SIGKILL right after. Concurrent calls share the commit.
                 engine_s = time.perf_counter() - t_engine
-                self._record(prep, index, slots, status, None, end, ids, logprobs, engine_s, t_first, tail_hash)
+                self._record(prep, index, slots, status, None, end, ids, logprobs, engine_s, t_first, hashes, response)
                 recorded = True
                 await self._wait_durable()
             yield ChoiceResult(index, call_id, finish, output, ids, logprobs, tops, trimmer.stopped)
@@ -320,7 +310,7 @@ class ChatService:
             await stream.aclose()
             if not recorded:
                 engine_s = time.perf_counter() - t_engine
-                self._record(prep, index, slots, status, error, end, ids, logprobs, engine_s, t_first, tail_hash)
+                self._record(prep, index, slots, status, error, end, ids, logprobs, engine_s, t_first, hashes, response)
 
     def _admit(self, slots: int) -> None:
         """Refuse a call (503 with Retry-After) that the gateway could not serve or record; else hold its room."""
@@ -351,8 +341,9 @@ class ChatService:
         if not await self.writer.wait_committed(DURABLE_WAIT_S):
             self.metrics.served_degraded.inc()
 
-    def _register(self, prep: Prepared, call_id: str, ids: list[int], output: ParsedOutput) -> str | None:
-        """Make this answer findable by the request that echoes it; returns the conversation's tail hash."""
+    def _register(self, prep: Prepared, call_id: str, ids: list[int], output: ParsedOutput) -> tuple[str, str] | None:
+        """Make this answer findable by the request that echoes it; returns the conversation's tail hash and the
+        answer's hash (both stored with the call, for the other gateway processes)."""
         answer = Message(
             role="assistant",
             content=output.content,
@@ -372,7 +363,7 @@ class ChatService:
         )
         out = output_hash(answer)
         self.index.add(prep.job.rollout.id, tail, out, entry)
-        return tail.hex()
+        return tail.hex(), out.hex()
 
     def _rule_reward(self, prep: Prepared) -> RewardRecord | None:
         """The parent turn's reward from the next-state rules, when its tool results report a failure."""
@@ -402,7 +393,8 @@ class ChatService:
         logprobs: list[float],
         engine_s: float,
         t_first: float | None,
-        tail_hash: str | None,
+        hashes: tuple[str, str] | None,
+        response: dict[str, Any] | None,
     ) -> None:
         job = prep.job
         now = time.perf_counter()
@@ -433,7 +425,9 @@ class ChatService:
             prompt_delta=prep.prompt_ids[prefix_len:],
             completion_ids=ids,
             completion_logprobs=logprobs,
-            tail_hash=tail_hash,
+            tail_hash=hashes[0] if hashes else None,
+            output_hash=hashes[1] if hashes else None,
+            response=response if status == "ok" else None,
             started_at=prep.started_at,
             ended_at=datetime.now(UTC),
             ttft_ms=None if t_first is None else (t_first - prep.t0) * 1000,

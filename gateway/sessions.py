@@ -8,11 +8,18 @@ prompt, and (without an explicit rollout id) the request joins the parent's roll
 Entries are scoped: calls of an explicit rollout only continue calls of the same rollout; calls without one
 continue any implicit-session call (that is how implicit sessions are found). The index is bounded by the number
 of tokens it holds and evicts least recently used entries.
+
+The index is this process's cache; the database is the shared truth. With several gateway processes, the turn
+before may have been answered by another one: when the last assistant turn is not in the index, ``fallback``
+finds its call in the database, and an assistant turn that cannot be spliced is checked against the stored
+answer hashes (``known_outputs``) before it is called someone else's — so drift counts the same on every process.
+Both are asked only when the index does not know the turn, never on a spliced continuation it knows.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +39,9 @@ class CallEntry:
     # messages hash the same stores only the rest.
     exact_hashes: list[bytes] = field(default_factory=list)
     explicit: bool = True
+    # When the call ended (time.time()); 0 for one read back from the database. Its rollout cannot have been
+    # closed for idleness sooner than the idle timeout after this.
+    ended_at: float = field(default_factory=time.time)
 
 
 @dataclass(slots=True)
@@ -86,6 +96,8 @@ class SessionIndex:
 
 
 Fallback = Callable[[str | None, bytes], CallEntry | None]
+# The subset of answer hashes that a call of this scope generated, from durable storage.
+KnownOutputs = Callable[[str | None, list[bytes]], bool]
 
 
 def plan_prompt(
@@ -95,28 +107,38 @@ def plan_prompt(
     messages: list[Message],
     tools: list[ToolSpec],
     fallback: Fallback | None = None,
+    known_outputs: KnownOutputs | None = None,
 ) -> PromptPlan:
     """Render a request's prompt, splicing the raw ids of the latest earlier answer it continues.
 
     ``fallback`` looks up the last assistant turn in durable storage when the in-memory index does not know it
-    (after a restart, or once the index evicted the conversation).
+    (another process answered it, a restart, or the index evicted the conversation); ``known_outputs`` tells
+    whether assistant turns the index does not know were generated here all the same.
     """
     hashes = prefix_hashes(messages, tools)
     assistant_at = [i for i, m in enumerate(messages) if m.role == "assistant"]
     parent: CallEntry | None = None
     splice_at = -1
-    for i in reversed(assistant_at):
-        parent = index.lookup(scope, hashes[i])
-        if parent is not None:
-            splice_at = i
-            break
-    if parent is None and assistant_at and fallback is not None:
+    if assistant_at:
+        # The last assistant turn first, from memory, then from storage: an earlier turn found in memory is no
+        # substitute when another process answered the last one (its raw tokens would be lost).
         last = assistant_at[-1]
-        parent = fallback(scope, hashes[last])
-        splice_at = last if parent is not None else -1
+        parent = index.lookup(scope, hashes[last])
+        if parent is None and fallback is not None:
+            parent = fallback(scope, hashes[last])
+        if parent is not None:
+            splice_at = last
+        else:
+            for i in reversed(assistant_at[:-1]):
+                parent = index.lookup(scope, hashes[i])
+                if parent is not None:
+                    splice_at = i
+                    break
     # An answer of ours that we could not splice (its history was rewritten, or it sits after the splice point)
     # means the prompt re-tokenizes model output: that is drift, counted and recorded.
-    drifted = any(index.is_known_output(scope, output_hash(messages[i])) for i in assistant_at if i > splice_at)
+    after = [output_hash(messages[i]) for i in assistant_at if i > splice_at]
+    unknown = [h for h in after if not index.is_known_output(scope, h)]
+    drifted = len(unknown) < len(after) or bool(unknown and known_outputs is not None and known_outputs(scope, unknown))
     if parent is not None:
         ids = renderer.render_spliced(
             messages, tools, Splice(splice_at, parent.token_ids, parent.ends_with_end_of_turn)

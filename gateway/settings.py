@@ -63,6 +63,10 @@ class Settings(BaseSettings):
     policy_poll_interval: float = Field(default=1.0, gt=0)
     # Versions kept loaded in the engine (the current one and the newest older ones, for in-flight calls).
     policy_keep_loaded: int = Field(default=3, ge=1)
+    # Several gateways on one engine: each reports the adapters it serves or runs calls on this often (seconds); a
+    # version is unloaded only when no gateway reported it within the lease (a silent gateway's reports expire).
+    adapter_heartbeat_interval: float = Field(default=5.0, gt=0)
+    adapter_lease_seconds: float = Field(default=30.0, gt=0)
     # The adapter directory as the vLLM server sees it (compose mounts one volume at the same path everywhere).
     vllm_adapter_dir: Path | None = None
 
@@ -141,7 +145,8 @@ class Settings(BaseSettings):
     # SIGKILL. Off: calls are committed within capture_flush_interval after they end (a kill -9 may lose those).
     capture_durable: bool = True
 
-    # Responses API: how many stored responses are kept in memory for `previous_response_id`.
+    # Responses API: how many stored responses are cached in memory for `previous_response_id` (all are stored in
+    # the database, for every gateway process).
     responses_store_size: int = Field(default=2048, ge=0)
     # Seconds a graceful stop (SIGTERM) waits for calls in flight to finish before cutting them (recorded cancelled).
     shutdown_timeout: int = Field(default=60, gt=0)

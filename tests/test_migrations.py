@@ -24,6 +24,8 @@ TABLES = {
     "judgements",
     "trained_turns",
     "policy_control",
+    "stored_responses",
+    "gateway_adapters",
 }
 
 

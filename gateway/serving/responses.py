@@ -30,7 +30,7 @@ from fastapi.responses import Response
 from gateway.conversation import Message, ToolCall, ToolSpec
 from gateway.errors import APIError, BadRequest, RateLimited
 from gateway.ids import new_id
-from gateway.job import ChoiceDelta, ChoiceResult, Prepared, RolloutRef, ToolUse
+from gateway.job import ChoiceDelta, ChoiceResult, Prepared, ResponseCapture, RolloutRef, ToolUse
 from gateway.parsers.base import ParsedOutput, ToolCallDelta
 from gateway.protocol.responses import (
     ContentPart,
@@ -51,7 +51,7 @@ from gateway.protocol.responses import (
     response_object,
     usage,
 )
-from gateway.response_store import ResponseStore
+from gateway.response_store import Found, ResponseStore
 from gateway.serving.base import MEDIA_PARTS, ProtocolServing, StreamEncoder, flatten_text, json_response, sampling, sse
 from gateway.serving.blocks import REASONING, TEXT, BlockStream
 from gateway.serving.choices import Event, collect_all
@@ -159,19 +159,18 @@ def to_tools(tools: Sequence[ToolIn] | None) -> list[ToolSpec]:
     return specs
 
 
-def _history(store: ResponseStore, response_id: str) -> list[Message]:
-    conversation = store.get(response_id)
-    if conversation is not None:
-        return list(conversation)
-    if store.was_unstored(response_id):
+async def _history(store: ResponseStore, response_id: str) -> list[Message]:
+    found = await store.find(response_id)
+    if not isinstance(found, Found):
+        return list(found)
+    if found is Found.UNSTORED:
         raise BadRequest(
             f"Previous response with id '{response_id}' was created with store=false and cannot be continued; "
             "send the full input instead.",
             param="previous_response_id",
         )
     raise BadRequest(
-        f"Previous response with id '{response_id}' not found (stored responses live in this gateway's memory, "
-        "most recent first).",
+        f"Previous response with id '{response_id}' not found.",
         param="previous_response_id",
     )
 
@@ -246,7 +245,13 @@ class OutputItems(BlockStream, StreamEncoder):
     opening an output item whenever the kind of text changes."""
 
     def __init__(
-        self, req: ResponsesRequest, prep: Prepared, created_at: int, store: ResponseStore, conversation: list[Message]
+        self,
+        req: ResponsesRequest,
+        prep: Prepared,
+        created_at: int,
+        store: ResponseStore,
+        conversation: list[Message],
+        answer: _Answer,
     ) -> None:
         super().__init__()
         self.req = req
@@ -255,7 +260,7 @@ class OutputItems(BlockStream, StreamEncoder):
         self.created_at = created_at
         self.store = store
         self.conversation = conversation
-        self.answer = _Answer()
+        self.answer = answer
         self.encrypted = req.wants(ENCRYPTED_REASONING)
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # finished items
@@ -374,7 +379,8 @@ class ResponsesServing(ProtocolServing[ResponsesRequest]):
 
     async def serve(self, req: ResponsesRequest, raw: dict[str, Any], rollout: RolloutRef) -> Response:
         store = self.state.responses
-        conversation = _history(store, req.previous_response_id) if req.previous_response_id else []
+        conversation = await _history(store, req.previous_response_id) if req.previous_response_id else []
+        history = len(conversation)
         if isinstance(req.input, str):
             conversation.append(Message(role="user", content=req.input))
         elif req.input is not None:
@@ -386,17 +392,19 @@ class ResponsesServing(ProtocolServing[ResponsesRequest]):
         forced_name = tool_choice.get("name") if isinstance(tool_choice, dict) else None
         params = sampling(req.max_output_tokens, req.temperature, req.top_p, seed=req.seed)
         tool_use = ToolUse.openai(tool_choice, forced_name, req.parallel_tool_calls)
+        answer = _Answer()
         job = self.job(
             req, raw, rollout, stream=req.stream, request_id=_item_id("resp"),
             conversation=(messages, to_tools(req.tools)), params=params, raw_messages=raw.get("input"),
             tool_use=tool_use,
         )  # fmt: skip
+        # Committed with the call, so any gateway process can continue this response.
+        job.response = ResponseCapture(req.previous_response_id, req.stored, conversation[history:], answer.message)
         prep = await self.service.prepare(job)
         created_at = int(time.time())
         choices = [self.service.run_choice(prep, 0)]
         if req.stream:
-            return await self.stream(prep, choices, OutputItems(req, prep, created_at, store, conversation))
-        answer = _Answer()
+            return await self.stream(prep, choices, OutputItems(req, prep, created_at, store, conversation, answer))
         [result] = await collect_all(choices, answer.observe)
         _remember(store, req, prep.request_id, conversation, answer.message(result.output))
         status, reason = _status(result)

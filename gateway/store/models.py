@@ -140,6 +140,8 @@ class Call(Base):
     next_call_id: Mapped[str | None] = mapped_column(sa.String(40))
     # Hash of the conversation after this call; finds the parent of the next call after a restart.
     tail_hash: Mapped[str | None] = mapped_column(sa.String(32), index=True)
+    # Hash of this call's answer alone (``conversation.output_hash``): any gateway can tell an echoed turn is ours.
+    output_hash: Mapped[str | None] = mapped_column(sa.String(32), index=True)
     started_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
     ended_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
     ttft_ms: Mapped[float | None] = mapped_column(sa.Float)
@@ -281,3 +283,31 @@ class TrainedTurn(Base):
     reward: Mapped[float | None] = mapped_column(sa.Float)
     advantage: Mapped[float | None] = mapped_column(sa.Float)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class StoredResponse(Base):
+    """A Responses-API answer that a later request may continue (``previous_response_id``), from any gateway.
+
+    ``items`` holds only what this response added to the conversation it continued (its new input items and its
+    answer, as internal messages: zlib JSON); the whole conversation is the chain through ``previous_id``. A
+    response created with ``store: false`` has a row without items, so a continuation can be refused clearly.
+    """
+
+    __tablename__ = "stored_responses"
+
+    id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    call_id: Mapped[str | None] = mapped_column(sa.String(40))
+    previous_id: Mapped[str | None] = mapped_column(sa.String(64))
+    stored: Mapped[bool] = mapped_column(sa.Boolean)
+    items: Mapped[bytes | None] = mapped_column(sa.LargeBinary)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class GatewayAdapter(Base):
+    """A gateway's heartbeat for an adapter it serves or still runs calls on: versions in use stay loaded."""
+
+    __tablename__ = "gateway_adapters"
+
+    gateway_id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    adapter: Mapped[str] = mapped_column(sa.String, primary_key=True, index=True)
+    seen_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())

@@ -74,10 +74,14 @@ class CallRecord:
     completion_ids: Sequence[int] = field(default_factory=list)
     completion_logprobs: Sequence[float] = field(default_factory=list)
     tail_hash: str | None = None
+    output_hash: str | None = None
     ttft_ms: float | None = None
     engine_ms: float | None = None
     gateway_ms: float | None = None
     rollout: RolloutRecord | None = None
+    # A Responses-API answer to store with the call (``models.StoredResponse``): its id, ``previous_id``,
+    # ``stored`` and ``items`` (the conversation messages it added, as dicts; None when not stored).
+    response: dict[str, Any] | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -93,6 +93,18 @@ def continued_call(db: sa.Engine, tail_hash: str, rollout_id: str | None) -> Con
         )
 
 
+def answered_here(db: sa.Engine, output_hashes: list[str], rollout_id: str | None) -> bool:
+    """Whether a successful call generated one of these answers (``Call.output_hash``): within rollout
+    ``rollout_id``, or, when that is None, among implicit rollouts."""
+    with Session(db) as session:
+        query = sa.select(Call.id).where(Call.output_hash.in_(output_hashes), Call.status == "ok")
+        if rollout_id is not None:
+            query = query.where(Call.rollout_id == rollout_id)
+        else:
+            query = query.join(Rollout, Rollout.id == Call.rollout_id).where(Rollout.kind == "implicit")
+        return session.execute(query.limit(1)).first() is not None
+
+
 class CallCache:
     """Calls by id (preloaded, or fetched through a session) and a small LRU memo of rebuilt results."""
 

@@ -14,7 +14,7 @@ import hmac
 import secrets
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
@@ -139,6 +139,32 @@ def close_idle(db: sa.Engine, idle_seconds: float) -> list[str]:
                 .values(status="completed", finished_at=now)
             )
     return ids
+
+
+def claim_open(db: sa.Engine, rollout_id: str) -> bool:
+    """Touch an open rollout so that no idle close takes it now; False when it is already closed.
+
+    The conditional update and ``close_idle``'s locking read exclude each other on the row: either this touch
+    commits first (the close then finds the rollout no longer idle) or the close does (the touch matches nothing),
+    whichever gateway process runs them. A rollout not stored yet is not closed.
+    """
+    now = utcnow()
+    with Session(db) as session, session.begin():
+        touched = session.execute(
+            sa.update(Rollout).where(Rollout.id == rollout_id, Rollout.status == "open").values(updated_at=now)
+        )
+        if cast("sa.CursorResult[Any]", touched).rowcount:
+            return True
+        return session.scalar(sa.select(Rollout.id).where(Rollout.id == rollout_id)) is None
+
+
+def closed_since(db: sa.Engine, since: dt.datetime) -> list[str]:
+    """Implicit and harness-session rollouts finished at or after ``since`` (by any gateway process)."""
+    with Session(db) as session:
+        query = sa.select(Rollout.id).where(
+            Rollout.kind.in_(("implicit", "session")), Rollout.status != "open", Rollout.finished_at >= since
+        )
+        return list(session.scalars(query))
 
 
 def finish(db: sa.Engine, rollout_id: str, status: str, reason: str | None = None) -> Rollout:

@@ -3,7 +3,8 @@
 ``prepare`` turns a batch into rows (packing token ids, logprobs and the trimmed request with
 ``gateway.store.codec``); a record that cannot become a row is set aside with its reason, to be dead-lettered.
 ``Statements`` holds the batch statements for one dialect: an idempotent rollout upsert that fills still-null
-fields, insert-or-ignore for calls, the parent's ``next_call_id`` link, and plain inserts for rewards.
+fields, insert-or-ignore for calls (and the Responses-API answers they carry), the parent's ``next_call_id`` link,
+and plain inserts for rewards.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from gateway.store import codec
 from gateway.store.errors import describe_error
-from gateway.store.models import Call, Reward, Rollout
+from gateway.store.models import Call, Reward, Rollout, StoredResponse
 from gateway.store.records import CallRecord, Record, RewardRecord, RolloutRecord
 
 
@@ -28,6 +29,7 @@ class Prepared:
     rollouts: dict[str, tuple[dict[str, Any], list[Record]]] = field(default_factory=dict)
     calls: list[tuple[dict[str, Any], Record]] = field(default_factory=list)
     rewards: list[tuple[dict[str, Any], Record]] = field(default_factory=list)
+    responses: list[tuple[dict[str, Any], Record]] = field(default_factory=list)
     dead: list[tuple[Record, str]] = field(default_factory=list)
 
 
@@ -96,11 +98,26 @@ def _call_row(record: CallRecord) -> dict[str, Any]:
         "completion_logprobs": codec.pack_logprobs(record.completion_logprobs),
         "completion_len": record.completion_len,
         "tail_hash": record.tail_hash,
+        "output_hash": record.output_hash,
         "started_at": record.started_at,
         "ended_at": record.ended_at,
         "ttft_ms": record.ttft_ms,
         "engine_ms": record.engine_ms,
         "gateway_ms": record.gateway_ms,
+    }
+
+
+def _response_row(record: CallRecord) -> dict[str, Any]:
+    response = record.response
+    assert response is not None
+    items = response.get("items")
+    return {
+        "id": response["id"],
+        "call_id": record.id,
+        "previous_id": response.get("previous_id"),
+        "stored": bool(response.get("stored")),
+        "items": None if items is None else codec.pack_request({"items": items}),
+        "created_at": record.ended_at,
     }
 
 
@@ -138,6 +155,8 @@ def prepare(batch: Iterable[Record]) -> Prepared:
                 if record.rollout is not None:
                     add_rollout(record.rollout, record)
                 prepared.calls.append((row, record))
+                if record.response is not None:
+                    prepared.responses.append((_response_row(record), record))
             elif isinstance(record, RolloutRecord):
                 add_rollout(record, record)
             elif isinstance(record, RewardRecord):
@@ -149,7 +168,7 @@ def prepare(batch: Iterable[Record]) -> Prepared:
     return prepared
 
 
-def _table(model: type[Rollout | Call | Reward]) -> sa.Table:
+def _table(model: type[Rollout | Call | Reward | StoredResponse]) -> sa.Table:
     table = model.__table__
     assert isinstance(table, sa.Table)
     return table
@@ -189,3 +208,4 @@ class Statements:
             .values(next_call_id=sa.bindparam("b_child"))
         )
         self.rewards = sa.insert(rewards)
+        self.responses = insert(_table(StoredResponse)).on_conflict_do_nothing(index_elements=["id"])

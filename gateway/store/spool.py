@@ -4,16 +4,23 @@ Both hold one JSON record a line (``record_to_json``) and are fsync'd before the
 handled. ``dead-letter.jsonl`` only grows: each line is a record the database rejected, with its error, kept so
 it can be fixed and replayed by hand. ``pending-*.jsonl`` files hold what a shutdown could not commit; they are
 written whole (temporary file, then rename) and read back by the next writer's ``start``.
+
+Several gateway processes on one host may share a data directory: each writer needs a spool directory of its own
+(two writers replaying one pending file would store its rewards twice). ``claim_dir`` hands each process the first
+directory that no live process holds — ``spool``, ``spool-1``, ``spool-2``… — through an exclusive lock the
+process keeps until it exits, so a restarted process replays what a stopped one left behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
 import uuid
 from pathlib import Path
+from typing import IO
 
 from gateway.store.errors import describe_error
 from gateway.store.models import utcnow
@@ -21,8 +28,26 @@ from gateway.store.records import Record, record_from_json, record_to_json
 
 log = logging.getLogger("clawgate.capture")
 
+LOCK_FILE = ".lock"
+MAX_SLOTS = 256
 DEAD_LETTER_FILE = "dead-letter.jsonl"
 PENDING_GLOB = "pending-*.jsonl"
+
+
+def claim_dir(base: Path) -> tuple[Path, IO[bytes]]:
+    """The first spool directory (``base``, then ``base-1``, …) no live process holds, and its held lock file
+    (close it to let the directory go; the process's exit does so too)."""
+    for slot in range(MAX_SLOTS):
+        path = base if slot == 0 else base.with_name(f"{base.name}-{slot}")
+        path.mkdir(parents=True, exist_ok=True)
+        lock = (path / LOCK_FILE).open("ab")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
+        return path, lock
+    raise RuntimeError(f"all {MAX_SLOTS} spool directories under {base.parent} are held by running processes")
 
 
 def dead_letter(spool_dir: Path, dead: list[tuple[Record, str]]) -> None:

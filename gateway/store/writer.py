@@ -396,6 +396,8 @@ class CallWriter:
             links = [next_state_link(row) for row, _ in prepared.calls if row["parent_call_id"] is not None]
             if links:
                 connection.execute(statements.next_state, links)
+        if prepared.responses:
+            connection.execute(statements.responses, [row for row, _ in prepared.responses])
         if prepared.rewards:
             connection.execute(statements.rewards, [row for row, _ in prepared.rewards])
 
@@ -411,6 +413,7 @@ class CallWriter:
             steps = [(statements.calls, row)]
             if row["parent_call_id"] is not None:
                 steps.append((statements.next_state, next_state_link(row)))
+            steps += [(statements.responses, r) for r, source in prepared.responses if source is record]
             rows.append((steps, [record]))
         rows.extend(([(statements.rewards, row)], [record]) for row, record in prepared.rewards)
         dead: list[tuple[Record, str]] = []
