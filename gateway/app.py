@@ -42,6 +42,7 @@ from gateway.engines.base import Engine
 from gateway.errors import APIError, BadRequest, EngineUnavailable
 from gateway.faults import Fault, describe
 from gateway.limits import BodyLimit
+from gateway.logs import setup_logging
 from gateway.metrics import Metrics
 from gateway.policy import PolicyFollower
 from gateway.render import Renderer
@@ -128,6 +129,13 @@ def redact_url(url: str) -> str:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:
         return "<unparsable url>"
+
+
+def app_from_environment() -> FastAPI:
+    """The app of one worker process of `clawgate serve --workers N` (uvicorn calls it in each worker)."""
+    settings = Settings()
+    setup_logging(settings.log_level)
+    return build_app(settings)
 
 
 def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: Any = None) -> FastAPI:

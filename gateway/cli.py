@@ -12,12 +12,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
 from gateway.logs import setup_logging
-from gateway.settings import Settings, from_flags
+from gateway.settings import Settings, environment_of, from_flags
 
 if TYPE_CHECKING:
     from prefix_tree import TreeConfig
@@ -34,6 +35,7 @@ SERVE_FLAGS = (
     "max_tokens",
     "log_level",
     "tool_error_reward",
+    "workers",
 )
 
 
@@ -47,6 +49,12 @@ def serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, help="port (CLAWGATE_PORT)")
     p.add_argument("--max-tokens", type=int, help="server-side generation cap (CLAWGATE_MAX_TOKENS)")
     p.add_argument("--log-level", help="debug, info, warning (CLAWGATE_LOG_LEVEL)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="gateway processes on this port, sharing the database (CLAWGATE_WORKERS; each loads its own tokenizer, "
+        "and with --engine local its own model)",
+    )
     p.add_argument(
         "--tool-error-reward",
         type=float,
@@ -87,9 +95,17 @@ def serve(settings: Settings) -> int:
         )
         return 2
 
-    app = build_app(settings)
+    target: Any
+    if settings.workers > 1:
+        # Each worker process builds its own app from the environment: hand it what the flags (or `up`) changed.
+        os.environ.update(environment_of(settings, (*SERVE_FLAGS, "vllm_url")))
+        target = "gateway.app:app_from_environment"
+    else:
+        target = build_app(settings)
     uvicorn.run(
-        app,
+        target,
+        factory=settings.workers > 1,
+        workers=settings.workers,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),

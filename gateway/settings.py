@@ -31,6 +31,8 @@ class Settings(BaseSettings):
     # Serving
     host: str = "127.0.0.1"
     port: int = 8080
+    # Gateway processes serving the port (uvicorn workers); they share the database like gateways on several hosts.
+    workers: int = Field(default=1, ge=1)
     engine: Literal["local", "vllm"] = "local"
     # A local folder or a hub id; the tokenizer and chat template always come from it.
     model: str = str(DEFAULT_DATA_DIR / "tiny-model")
@@ -217,6 +219,16 @@ class Settings(BaseSettings):
         path = Path(self.model).expanduser()
         looks_local = path.exists() or self.model.startswith((".", "/", "~"))
         return path.name if looks_local else self.model
+
+
+def environment_of(settings: Settings, names: Iterable[str]) -> dict[str, str]:
+    """The ``CLAWGATE_*`` variables that give a child process these settings among ``names`` (set ones only)."""
+    out: dict[str, str] = {}
+    for name in names:
+        value = getattr(settings, name)
+        if value is not None:
+            out[f"CLAWGATE_{name.upper()}"] = str(value)
+    return out
 
 
 def from_flags(args: object, names: Iterable[str]) -> Settings:

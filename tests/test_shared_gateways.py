@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import fcntl
 import itertools
 import time
 from collections import Counter
@@ -28,7 +29,7 @@ from sqlalchemy.orm import Session
 
 from gateway.policy import PolicyFollower
 from gateway.settings import Settings
-from gateway.store import adapter_leases, db, repo
+from gateway.store import adapter_leases, db, repo, spool
 from gateway.store.models import Call, GatewayAdapter, Rollout
 from tests import pg
 from tests.online import UpProcess, wait_healthy
@@ -233,6 +234,40 @@ def test_a_rollout_closed_by_one_process_is_not_extended_by_the_other(pair: Pair
     resumed = [pair.client(i).chat.completions.create(model="tiny", messages=messages, max_tokens=6) for i in (1, 0)]
     for call in calls_by_request(pair.url, [r.id for r in resumed]):
         assert call.parent_call_id == last.id and call.rollout_id != last.rollout_id
+
+
+def test_serve_with_two_workers_splices_one_conversation_and_each_worker_has_its_own_spool(
+    pair: Pair, tmp_path: Path
+) -> None:
+    port = free_port()
+    env = {
+        "CLAWGATE_MODEL": str(pair.model),
+        "CLAWGATE_SERVED_MODEL_NAME": "tiny",
+        "CLAWGATE_DATABASE_URL": pair.url,
+        "CLAWGATE_DATA_DIR": str(tmp_path / "data"),
+        "CLAWGATE_ADMIN_KEY": ADMIN,
+        "CLAWGATE_POLICY_FOLLOW": "false",
+    }
+    proc = UpProcess(env=env, cwd=tmp_path, command="serve", args=["--workers", "2", "--port", str(port)])
+    proc.start()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base, proc, 180, version=None)
+        deadline = time.monotonic() + 120  # /health answers once the first worker is up
+        locks = [tmp_path / "data" / name / spool.LOCK_FILE for name in ("spool", "spool-1")]
+        while not all(lock.exists() for lock in locks):
+            assert time.monotonic() < deadline, f"two workers did not start:\n{proc.output}"
+            time.sleep(0.5)
+        for lock in locks:  # each held by a live worker
+            with lock.open("ab") as f, pytest.raises(BlockingIOError):
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # A new connection per turn: the workers share the listening socket and take turns as they accept.
+        clients = [openai.OpenAI(base_url=base + "/v1", api_key=ADMIN, max_retries=0, timeout=120) for _ in range(4)]
+        calls = calls_by_request(pair.url, chat_turns(pair, clients, 4))
+        assert [c.render_mode for c in calls] == ["fresh"] + ["spliced"] * 3
+        assert len({c.rollout_id for c in calls}) == 1
+    finally:
+        assert proc.stop() == 0, proc.output
 
 
 # --- unloading adapters that several gateways share (no processes) ---------------------------------------------
