@@ -26,11 +26,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
 
 from gateway.conversation import Message, message_from_dict
-from gateway.store import codec
-from gateway.store.models import StoredResponse
+from gateway.store import stored_responses
 
 MISS_POLL_S = 0.05
 
@@ -103,25 +101,15 @@ class ResponseStore:
         return found
 
     def _load(self, response_id: str) -> tuple[Message, ...] | Found:
-        """Walk the chain of ``previous_id`` links back to a response this process holds (or to the first one)."""
+        """The conversation from the database, read back to a response this process holds (or to the first)."""
         assert self.db is not None
-        added: list[bytes] = []  # each response's items, newest first
-        base: tuple[Message, ...] = ()
-        current: str | None = response_id
-        with Session(self.db) as session:
-            while current is not None:
-                cached = self._conversations.get(current) if current != response_id else None
-                if cached is not None:
-                    base = cached
-                    break
-                row = session.get(StoredResponse, current)
-                if row is None:
-                    return Found.MISSING
-                if not row.stored or row.items is None:
-                    return Found.UNSTORED if current == response_id else Found.MISSING
-                added.append(row.items)
-                current = row.previous_id
-        messages = list(base)
-        for items in reversed(added):
-            messages += [message_from_dict(item) for item in codec.unpack_request(items)["items"]]
-        return tuple(messages)
+        found = stored_responses.chain(self.db, response_id, lambda rid: rid in self._conversations)
+        if found.status != "ok":
+            return Found.UNSTORED if found.status == "unstored" else Found.MISSING
+        base: tuple[Message, ...] | None = ()
+        if found.base is not None:
+            base = self._conversations.get(found.base)
+            if base is None:  # evicted meanwhile: read the whole chain
+                found = stored_responses.chain(self.db, response_id, lambda rid: False)
+                base = ()
+        return (*base, *(message_from_dict(item) for item in found.items))
