@@ -106,10 +106,11 @@ class ResponseStore:
         found = stored_responses.chain(self.db, response_id, lambda rid: rid in self._conversations)
         if found.status != "ok":
             return Found.UNSTORED if found.status == "unstored" else Found.MISSING
-        base: tuple[Message, ...] | None = ()
+        base: tuple[Message, ...] = ()
         if found.base is not None:
-            base = self._conversations.get(found.base)
-            if base is None:  # evicted meanwhile: read the whole chain
+            held = self._conversations.get(found.base)
+            if held is None:  # evicted meanwhile: read the whole chain
                 found = stored_responses.chain(self.db, response_id, lambda rid: False)
-                base = ()
+            else:
+                base = held
         return (*base, *(message_from_dict(item) for item in found.items))
