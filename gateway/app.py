@@ -108,15 +108,20 @@ async def close_idle_sessions(store: Any, writer: CallWriter, service: ChatServi
 async def report_adapters(store: Any, gateway_id: str, service: ChatService, interval: float) -> None:
     """Heartbeat the adapters this gateway serves or runs calls on, so no other gateway unloads them."""
     fault = Fault(log, "adapter heartbeat: cannot report the adapters in use")
+    reported: set[str] | None = None
     while True:
         in_use = {name for name, n in service.adapter_in_flight.items() if n > 0}
         if service.adapter is not None:
             in_use.add(service.adapter)
+        if not in_use and reported == set():  # serving the base model: nothing to keep loaded, nothing to write
+            await asyncio.sleep(interval)
+            continue
         try:
             await asyncio.to_thread(adapter_leases.heartbeat, store, gateway_id, in_use)
         except Exception as exc:
             fault.failed(describe(exc), exc)
         else:
+            reported = in_use
             fault.cleared()
         await asyncio.sleep(interval)
 
@@ -238,8 +243,8 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
                     await task
             await eng.close()
             await writer.close(timeout=30.0)
-            with suppress(Exception):  # best effort: the lease expires anyway
-                await asyncio.to_thread(adapter_leases.forget, store, gateway_id)
+            with suppress(Exception):  # best effort (the database may be down): the lease expires anyway
+                await asyncio.wait_for(asyncio.to_thread(adapter_leases.forget, store, gateway_id), 2.0)
             store.dispose()
             spool_lock.close()
 
