@@ -324,3 +324,15 @@ def test_a_version_is_unloaded_only_when_no_live_gateway_reports_it(postgres_url
     with Session(store) as session:
         assert session.scalars(sa.select(GatewayAdapter.gateway_id).where(GatewayAdapter.gateway_id == "A")).all() == []
     store.dispose()
+
+
+def test_each_process_claims_a_spool_directory_of_its_own(tmp_path: Path) -> None:
+    base = tmp_path / "spool"
+    first, lock1 = spool.claim_dir(base)
+    second, lock2 = spool.claim_dir(base)
+    assert (first, second) == (base, tmp_path / "spool-1")
+    lock1.close()  # that process stopped: the next one to start takes over its directory (and replays its files)
+    third, lock3 = spool.claim_dir(base)
+    assert third == base
+    lock2.close()
+    lock3.close()
