@@ -35,6 +35,7 @@ from gateway.errors import APIError, BadRequest, EngineUnavailable
 from gateway.faults import Fault, describe
 from gateway.limits import BodyLimit
 from gateway.metrics import Metrics
+from gateway.model_files import load_tokenizer
 from gateway.policy import PolicyFollower
 from gateway.render import Renderer
 from gateway.response_store import ResponseStore
@@ -47,12 +48,6 @@ from gateway.store.errors import is_transient
 from gateway.store.writer import CallWriter
 
 log = logging.getLogger("clawgate")
-
-
-def load_tokenizer(model: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
 
 
 def make_engine(settings: Settings, tokenizer: Any) -> Engine:
