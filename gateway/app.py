@@ -122,6 +122,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
             batch_size=settings.capture_batch_size,
             flush_interval=settings.capture_flush_interval,
             max_queue=settings.capture_max_queue,
+            synchronous_commit=settings.capture_synchronous_commit,
         )
         await writer.start()
         await eng.start()
