@@ -44,6 +44,7 @@ from gateway.faults import Fault, describe
 from gateway.limits import BodyLimit
 from gateway.logs import setup_logging
 from gateway.metrics import Metrics
+from gateway.model_files import load_tokenizer
 from gateway.policy import PolicyFollower
 from gateway.render import Renderer
 from gateway.response_store import ResponseStore
@@ -56,12 +57,6 @@ from gateway.store.errors import is_transient
 from gateway.store.writer import CallWriter
 
 log = logging.getLogger("clawgate")
-
-
-def load_tokenizer(model: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
 
 
 def make_engine(settings: Settings, tokenizer: Any) -> Engine:
@@ -170,6 +165,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
             batch_size=settings.capture_batch_size,
             flush_interval=settings.capture_flush_interval,
             max_queue=settings.capture_max_queue,
+            synchronous_commit=settings.capture_synchronous_commit,
         )
         await writer.start()
         await eng.start()

@@ -42,12 +42,9 @@ def end_token_ids(tokenizer: Any, generation_eos: int | Iterable[int] | None) ->
 
 def generation_eos_ids(model: str) -> list[int]:
     """The model's own end-of-generation ids (generation_config.json), which the tokenizer may not name."""
-    from transformers import GenerationConfig
+    from gateway.model_files import generation_config
 
-    try:
-        eos = GenerationConfig.from_pretrained(model).eos_token_id
-    except OSError:
-        return []
+    eos = generation_config(model).get("eos_token_id")
     if eos is None:
         return []
-    return [eos] if isinstance(eos, int) else list(eos)
+    return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]

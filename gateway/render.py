@@ -13,10 +13,21 @@ turn's content replaced by a unique marker: everything after the marker is exact
 that turn (its end-of-turn text, the new tool results and user turns, the generation prompt), whatever the template
 does to *earlier* turns (Qwen3's template, for one, drops old reasoning). If the parent's completion already ended
 with the end-of-turn token the template writes, that text is not repeated.
+
+Rendering the whole conversation costs time linear in its length, though only the text after the marker is used.
+So the text after the marker is taken from a short conversation instead: the leading system message, the last user
+message before the spliced turn, the marker turn and the messages after it (``incremental_after``). For a template
+whose text after a turn depends only on that turn's neighbourhood (every template we know: ChatML, Qwen3, Llama 3)
+that text is the same, and the cost no longer grows with the conversation. It is checked against the full render
+on the first use of each shape of conversation tail and on every ``VERIFY_EVERY``-th splice; a mismatch (or a
+template that rejects the short conversation) turns the shortcut off for that template, and the full render is
+what is used.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +41,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 SPLICE_MARK = "\u2063clawgate\u2063splice\u2063"
+# Every VERIFY_EVERY-th splice is rendered in full too and compared (besides the first of each tail shape).
+VERIFY_EVERY = 64
+
+log = logging.getLogger("clawgate.render")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +69,7 @@ class Renderer:
         # The Rust tokenizer directly: the Python wrapper costs more than the encoding of a short suffix.
         self._fast = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
         self.end_of_turn_ids = end_of_turn_tokens(tokenizer)
+        self._incremental = _Verification()
 
     def encode(self, text: str) -> list[int]:
         if self._fast is not None:
@@ -81,11 +97,8 @@ class Renderer:
 
     def render_spliced(self, messages: list[Message], tools: list[ToolSpec], splice: Splice) -> list[int] | None:
         """Prompt ids that begin with ``splice.token_ids`` exactly, or None if the template defeats the splice."""
-        dicts = [m.to_template() for m in messages]
-        dicts[splice.index] = {"role": "assistant", "content": SPLICE_MARK}
-        text = self.render_text(dicts, tools)
-        _, sep, after = text.partition(SPLICE_MARK)
-        if not sep or SPLICE_MARK in after:
+        after = self.text_after_splice(messages, tools, splice.index)
+        if after is None:
             return None
         if splice.ends_with_end_of_turn:
             last = splice.token_ids[-1]
@@ -95,5 +108,71 @@ class Renderer:
             after = after[len(end_text) :]
         return splice.token_ids + self.encode(after)
 
+    def text_after_splice(self, messages: list[Message], tools: list[ToolSpec], index: int) -> str | None:
+        """What the template writes after assistant turn ``index`` (None: the template defeats the marker)."""
+        if not self._incremental.enabled:
+            return self.full_after(messages, tools, index)
+        try:
+            after = self.incremental_after(messages, tools, index)
+        except BadRequest:
+            after = None  # the short conversation is one the template refuses (the full one may not be)
+        shape, verify = self._incremental.due(messages, index)
+        if after is not None and not verify:
+            return after
+        full = self.full_after(messages, tools, index)
+        if after != full:
+            self._incremental.disable(shape)
+        return full
+
+    def full_after(self, messages: list[Message], tools: list[ToolSpec], index: int) -> str | None:
+        dicts = [m.to_template() for m in messages]
+        dicts[index] = {"role": "assistant", "content": SPLICE_MARK}
+        return _after_mark(self.render_text(dicts, tools))
+
+    def incremental_after(self, messages: list[Message], tools: list[ToolSpec], index: int) -> str | None:
+        head = [0] if messages and messages[0].role in ("system", "developer") and index > 0 else []
+        user = next((i for i in range(index - 1, -1, -1) if messages[i].role == "user"), None)
+        if user is not None and user not in head:
+            head.append(user)
+        dicts = [messages[i].to_template() for i in head]
+        dicts.append({"role": "assistant", "content": SPLICE_MARK})
+        dicts += [m.to_template() for m in messages[index + 1 :]]
+        return _after_mark(self.render_text(dicts, tools))
+
     def ends_with_end_of_turn(self, completion_ids: list[int]) -> bool:
         return bool(completion_ids) and completion_ids[-1] in self.end_of_turn_ids
+
+
+def _after_mark(text: str) -> str | None:
+    _, sep, after = text.partition(SPLICE_MARK)
+    if not sep or SPLICE_MARK in after:
+        return None
+    return after
+
+
+class _Verification:
+    """When the short render of a splice is checked against the full one, and whether it is trusted at all."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self._seen: set[tuple[str, ...]] = set()
+        self._splices = 0
+        self._lock = threading.Lock()
+
+    def due(self, messages: list[Message], index: int) -> tuple[tuple[str, ...], bool]:
+        # The shape of what the short render keeps: the roles of the tail (and whether a system message leads).
+        shape = (messages[0].role if messages else "", *(m.role for m in messages[index + 1 :]))
+        with self._lock:
+            self._splices += 1
+            verify = shape not in self._seen or self._splices % VERIFY_EVERY == 0
+            self._seen.add(shape)
+        return shape, verify
+
+    def disable(self, shape: tuple[str, ...]) -> None:
+        if self.enabled:
+            self.enabled = False
+            log.warning(
+                "the chat template writes a different text after a turn when earlier turns are left out (tail %s): "
+                "rendering spliced conversations in full from now on",
+                "/".join(shape[1:]) or "none",
+            )

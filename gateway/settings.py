@@ -146,6 +146,11 @@ class Settings(BaseSettings):
     # A call is committed before its response ends (the last chunk waits for it): nothing served is lost even to a
     # SIGKILL. Off: calls are committed within capture_flush_interval after they end (a kill -9 may lose those).
     capture_durable: bool = True
+    # Postgres' synchronous_commit for the capture transaction (SQLite ignores it). off: a commit returns once it is
+    # in Postgres' WAL buffers, not on disk, so a served call survives the gateway being killed (its commit is
+    # Postgres' already) and only a crash of the Postgres host itself can lose the last ~3 x wal_writer_delay
+    # (0.6 s) of calls; a durable call then waits for no WAL flush of its own. on: every commit waits for its fsync.
+    capture_synchronous_commit: Literal["on", "off"] = "off"
 
     # Responses API: how many stored responses are cached in memory for `previous_response_id` (all are stored in
     # the database, for every gateway process).

@@ -35,6 +35,17 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 }
 # The pure tree package's third-party dependencies: no torch, no database, no web framework.
 PURE_THIRD_PARTY = {"numpy"}
+# A gateway serving through vLLM loads no torch (hundreds of MiB with the CUDA libraries): only the in-process
+# engine's modules import it, and transformers' entry points that import it on their own, and model_files for a
+# model that has no tokenizer.json.
+TORCH_IMPORTS = ("torch", "transformers.AutoTokenizer", "transformers.GenerationConfig", "transformers.AutoModel")
+TORCH_ALLOWED = (
+    "gateway.engines.local",
+    "gateway.engines.local_worker",
+    "gateway.engines.kv_batch",
+    "gateway.engines.sampling",
+    "gateway.model_files",
+)
 
 
 def module_name(path: Path) -> str:
@@ -81,6 +92,9 @@ def violations(source: str, module: str) -> list[str]:
         third_party = top not in PACKAGES and top not in sys.stdlib_module_names
         if within(module, "prefix_tree") and third_party and top not in PURE_THIRD_PARTY:
             out.append(f"{module}:{line} imports {name} (the tree package is pure)")
+        torch_import = name.startswith(TORCH_IMPORTS)
+        if within(module, "gateway") and torch_import and not any(within(module, m) for m in TORCH_ALLOWED):
+            out.append(f"{module}:{line} imports {name} (a gateway serving through vLLM loads no torch)")
     return out
 
 
@@ -118,6 +132,9 @@ def test_imports_follow_the_documented_directions() -> None:
         ("prefix_tree.build", "from gateway.store import models"),
         ("prefix_tree.tree", "import sqlalchemy"),
         ("trainer.batch", "from ..gateway import service"),
+        ("gateway.render", "def f():\n    import torch\n"),
+        ("gateway.end_of_turn", "from transformers import GenerationConfig"),
+        ("gateway.app", "from transformers import AutoTokenizer"),
     ],
 )
 def test_an_import_against_the_directions_is_caught(module: str, source: str) -> None:
@@ -134,6 +151,8 @@ def test_an_import_against_the_directions_is_caught(module: str, source: str) ->
         ("rewards.cli", "from gateway.logs import setup_logging"),
         ("prefix_tree.tree", "import numpy as np\nfrom prefix_tree.nodes import TreeNode\nfrom . import filters"),
         ("clawgate.up", "from trainer.cli import train_flags"),
+        ("gateway.engines.local", "import torch\nfrom transformers import AutoModelForCausalLM, AutoTokenizer"),
+        ("gateway.render", "from transformers.utils.chat_template_utils import render_jinja_template"),
     ],
 )
 def test_an_import_along_the_directions_passes(module: str, source: str) -> None:

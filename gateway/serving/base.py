@@ -19,6 +19,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Send
 
 from gateway.conversation import Message, ToolSpec
 from gateway.engines.base import SamplingParams
@@ -124,6 +125,14 @@ def json_response(body: BaseModel, *preps: Prepared) -> Response:
 
 
 # --- streams -------------------------------------------------------------------------------------------------
+# Each chunk a stream yields is one socket write (one HTTP chunk), so the encoders join what is ready at the same
+# moment: the opening events with the first event's (the first event is in hand before the response starts, see
+# ``prefetch``), the events of one engine delta, and the final events with the end of the stream. Nothing waits
+# for anything that is not there yet: no token is held back.
+class Last(bytes):
+    """A stream's last events: only the end of the stream follows, and it goes out in the same write."""
+
+
 class StreamEncoder(ABC):
     """One response's events → the protocol's stream chunks."""
 
@@ -132,7 +141,7 @@ class StreamEncoder(ABC):
 
     @abstractmethod
     def encode(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
-        """The chunks of the whole stream; exceptions are left to the tail."""
+        """The chunks of the whole stream (the final one a ``Last``); exceptions are left to the tail."""
 
     @abstractmethod
     def error(self, exc: APIError) -> bytes:
@@ -142,22 +151,42 @@ class StreamEncoder(ABC):
 async def guarded(encoder: StreamEncoder, events: AsyncIterator[Event], api: str) -> AsyncIterator[bytes]:
     """The one tail of every stream: an error after the first byte goes out as the protocol's error event (the
     status line is long gone) and is logged; the events are closed whether the stream ended, broke or the client
-    went away."""
+    went away. The stream ends with one ``Last`` chunk: the encoder's last events (or the error), then ``done``."""
     chunks = encoder.encode(events)
+    tail = b""
     try:
         async for chunk in chunks:
+            if isinstance(chunk, Last):
+                tail += chunk  # what follows is the end of the events, at once: sent with it
+                continue
+            if tail:  # an encoder that yields after its Last: keep the order
+                yield tail
+                tail = b""
             yield chunk
     except APIError as exc:
         log.warning("%s stream ended with an error: %s: %s", api, type(exc).__name__, exc.message)
-        yield encoder.error(exc)
+        tail += encoder.error(exc)
     except Exception as exc:  # never let a broken stream end without telling the client why
         log.exception("%s stream failed", api)
-        yield encoder.error(APIError(f"internal error: {exc}"))
+        tail += encoder.error(APIError(f"internal error: {exc}"))
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]
         await events.aclose()  # type: ignore[attr-defined]
-    if encoder.done:
-        yield encoder.done
+    yield Last(tail + encoder.done)
+
+
+class EventStreamResponse(StreamingResponse):
+    """A stream whose ``Last`` chunk carries the end of the response too: one write (chunk and terminator)."""
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            body = bytes(chunk) if isinstance(chunk, bytes | memoryview) else chunk.encode(self.charset)
+            if isinstance(chunk, Last):
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+                return
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 # --- the serving base ----------------------------------------------------------------------------------------
@@ -224,7 +253,7 @@ class ProtocolServing(ABC, Generic[Req]):
         self, prep: Prepared, iterators: list[AsyncIterator[Event]], encoder: StreamEncoder
     ) -> StreamingResponse:
         events = await prefetch(merge(iterators))
-        return StreamingResponse(
+        return EventStreamResponse(
             guarded(encoder, events, self.api),
             media_type="text/event-stream",
             headers={**SSE_HEADERS, **call_headers(prep)},

@@ -32,7 +32,16 @@ from gateway.protocol.openai import (
     Usage,
 )
 from gateway.service import ChatService
-from gateway.serving.base import MEDIA_PARTS, ProtocolServing, StreamEncoder, flatten_text, json_response, sampling, sse
+from gateway.serving.base import (
+    MEDIA_PARTS,
+    Last,
+    ProtocolServing,
+    StreamEncoder,
+    flatten_text,
+    json_response,
+    sampling,
+    sse,
+)
 from gateway.serving.choices import Event, collect_all
 
 TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
@@ -191,29 +200,42 @@ class ChunkStream(OpenAIStream):
 
     async def encode(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
         req = self.req
-        for i in range(req.n):
-            yield self._chunk(i, {"role": "assistant", "content": ""})
-        completion_tokens = 0
+        # The role chunks go out with the first event's chunk (see base.py on writes).
+        out = b"".join(self._chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n))
+        completion_tokens = finished = 0
         async for ev in events:
             if isinstance(ev, ChoiceResult):
                 completion_tokens += len(ev.token_ids)
-                yield self._chunk(ev.index, {}, finish=ev.finish_reason)
-                continue
-            delta: dict[str, Any] = {}
-            if ev.reasoning:
-                delta["reasoning_content"] = ev.reasoning
-            if ev.content:
-                delta["content"] = ev.content
-            if ev.tool_calls:
-                delta["tool_calls"] = [self._tool_call_delta(ev.index, tc) for tc in ev.tool_calls]
-            logprobs = None
-            if req.logprobs and ev.token_ids:
-                content = await token_logprobs(self.service, ev.token_ids, ev.logprobs, ev.top_logprobs)
-                logprobs = {"content": content}
-            if delta or logprobs:
-                yield self._chunk(ev.index, delta, logprobs)
-        if self.include_usage:
-            yield sse({**self.base, "choices": [], "usage": usage(len(self.prep.prompt_ids), completion_tokens)})
+                finished += 1
+                out += self._chunk(ev.index, {}, finish=ev.finish_reason)
+                if finished == req.n:  # the last choice's end: only the usage and the stream's end follow
+                    yield Last(out + self._usage(completion_tokens))
+                    out = b""
+                    continue
+            else:
+                delta: dict[str, Any] = {}
+                if ev.reasoning:
+                    delta["reasoning_content"] = ev.reasoning
+                if ev.content:
+                    delta["content"] = ev.content
+                if ev.tool_calls:
+                    delta["tool_calls"] = [self._tool_call_delta(ev.index, tc) for tc in ev.tool_calls]
+                logprobs = None
+                if req.logprobs and ev.token_ids:
+                    content = await token_logprobs(self.service, ev.token_ids, ev.logprobs, ev.top_logprobs)
+                    logprobs = {"content": content}
+                if delta or logprobs:
+                    out += self._chunk(ev.index, delta, logprobs)
+            if out:
+                yield out
+                out = b""
+        if finished < req.n:  # no event at all, or a choice without its result: the stream still ends
+            yield Last(out + self._usage(completion_tokens))
+
+    def _usage(self, completion_tokens: int) -> bytes:
+        if not self.include_usage:
+            return b""
+        return sse({**self.base, "choices": [], "usage": usage(len(self.prep.prompt_ids), completion_tokens)})
 
     def _tool_call_delta(self, choice: int, tc: ToolCallDelta) -> dict[str, Any]:
         out: dict[str, Any] = {"index": tc.index}

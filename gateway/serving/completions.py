@@ -18,7 +18,7 @@ from gateway.ids import new_id
 from gateway.job import ChoiceResult, Prepared, RolloutRef
 from gateway.protocol.openai import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Usage
 from gateway.service import ChatService
-from gateway.serving.base import ProtocolServing, json_response, sampling, sse
+from gateway.serving.base import Last, ProtocolServing, json_response, sampling, sse
 from gateway.serving.chat import OpenAIStream, usage
 from gateway.serving.choices import Event, collect_all
 
@@ -112,24 +112,38 @@ class TextStream(OpenAIStream):
 
     async def encode(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
         req = self.req
+        out = b""  # the echo goes out with the first event's chunk (see base.py on writes)
         if self.echo:
             for i in range(req.n):
                 choice = {"index": i, "text": self.echo, "logprobs": None, "finish_reason": None}
-                yield sse({**self.base, "choices": [choice]})
-        completion_tokens = 0
+                out += sse({**self.base, "choices": [choice]})
+        completion_tokens = finished = 0
         async for ev in events:
             if isinstance(ev, ChoiceResult):
                 completion_tokens += len(ev.token_ids)
+                finished += 1
                 end = {"index": ev.index, "text": "", "logprobs": None, "finish_reason": ev.finish_reason}
-                yield sse({**self.base, "choices": [end]})
-                continue
-            if not ev.content and not ev.token_ids:
-                continue
-            chunk: dict[str, Any] = {"index": ev.index, "text": ev.content, "logprobs": None, "finish_reason": None}
-            if req.logprobs is not None and ev.token_ids:
-                chunk["logprobs"] = await completion_logprobs(self.service, ev.token_ids, ev.logprobs, ev.top_logprobs)
-            if req.return_token_ids:
-                chunk["token_ids"] = ev.token_ids
-            yield sse({**self.base, "choices": [chunk]})
-        if req.stream_options and req.stream_options.include_usage:
-            yield sse({**self.base, "choices": [], "usage": usage(len(self.prep.prompt_ids), completion_tokens)})
+                out += sse({**self.base, "choices": [end]})
+                if finished == req.n:  # the last choice's end: only the usage and the stream's end follow
+                    yield Last(out + self._usage(completion_tokens))
+                    out = b""
+                    continue
+            elif ev.content or ev.token_ids:
+                chunk: dict[str, Any] = {"index": ev.index, "text": ev.content, "logprobs": None, "finish_reason": None}
+                if req.logprobs is not None and ev.token_ids:
+                    chunk["logprobs"] = await completion_logprobs(
+                        self.service, ev.token_ids, ev.logprobs, ev.top_logprobs
+                    )
+                if req.return_token_ids:
+                    chunk["token_ids"] = ev.token_ids
+                out += sse({**self.base, "choices": [chunk]})
+            if out:
+                yield out
+                out = b""
+        if finished < req.n:  # no event at all, or a choice without its result: the stream still ends
+            yield Last(out + self._usage(completion_tokens))
+
+    def _usage(self, completion_tokens: int) -> bytes:
+        if not (self.req.stream_options and self.req.stream_options.include_usage):
+            return b""
+        return sse({**self.base, "choices": [], "usage": usage(len(self.prep.prompt_ids), completion_tokens)})

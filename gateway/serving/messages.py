@@ -62,7 +62,7 @@ from gateway.protocol.anthropic import (
     ToolUseBlock,
     ToolUseOut,
 )
-from gateway.serving.base import ProtocolServing, StreamEncoder, json_response, sampling, sse
+from gateway.serving.base import Last, ProtocolServing, StreamEncoder, json_response, sampling, sse
 from gateway.serving.blocks import REASONING, TEXT, BlockStream
 from gateway.serving.choices import Event, collect_all
 
@@ -275,7 +275,6 @@ def usage(prep: Prepared, output_tokens: int) -> dict[str, int]:
     }
 
 
-
 class ContentBlocks(BlockStream):
     """A choice's deltas → content-block events: each run of reasoning, text or one tool call is a block, opened
     with ``content_block_start`` and closed (thinking: after its ``signature_delta``) when the next begins."""
@@ -344,20 +343,23 @@ class MessageStream(StreamEncoder):
             "stop_sequence": None,
             "usage": usage(prep, 0),
         }
-        yield sse({"type": "message_start", "message": message}, "message_start")
-        yield sse({"type": "ping"}, "ping")
+        # The opening events go out with the first event's (see base.py on writes).
+        out = sse({"type": "message_start", "message": message}, "message_start") + sse({"type": "ping"}, "ping")
         async for ev in events:
             if isinstance(ev, ChoiceDelta):
-                for chunk in self.blocks.feed(ev):
-                    yield chunk
+                out += b"".join(self.blocks.feed(ev))
+                if out:
+                    yield out
+                    out = b""
                 continue
-            for chunk in self.blocks.close():
-                yield chunk
+            out += b"".join(self.blocks.close())
             reason, sequence = stop_reason(ev)
             use = {"input_tokens": len(prep.prompt_ids), "output_tokens": len(ev.token_ids)}
             delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": use}
-            yield sse(delta, "message_delta")
-            yield sse({"type": "message_stop"}, "message_stop")
+            yield Last(out + sse(delta, "message_delta") + sse({"type": "message_stop"}, "message_stop"))
+            out = b""
+        if out:
+            yield out
 
     def error(self, exc: APIError) -> bytes:
         return sse(exc.to_anthropic(), "error")

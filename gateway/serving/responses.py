@@ -52,7 +52,16 @@ from gateway.protocol.responses import (
     usage,
 )
 from gateway.response_store import Found, ResponseStore
-from gateway.serving.base import MEDIA_PARTS, ProtocolServing, StreamEncoder, flatten_text, json_response, sampling, sse
+from gateway.serving.base import (
+    MEDIA_PARTS,
+    Last,
+    ProtocolServing,
+    StreamEncoder,
+    flatten_text,
+    json_response,
+    sampling,
+    sse,
+)
 from gateway.serving.blocks import REASONING, TEXT, BlockStream
 from gateway.serving.choices import Event, collect_all
 
@@ -285,18 +294,22 @@ class OutputItems(BlockStream, StreamEncoder):
 
     async def encode(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
         snapshot = self.response("in_progress")
-        yield self.event("response.created", response=snapshot)
-        yield self.event("response.in_progress", response=snapshot)
+        # The opening events go out with the first event's (see base.py on writes).
+        out = self.event("response.created", response=snapshot) + self.event("response.in_progress", response=snapshot)
         async for ev in events:
             if isinstance(ev, ChoiceResult):
                 # Stored before the client hears of completion, so an immediate continuation finds it.
                 _remember(self.store, self.req, self.response_id, self.conversation, self.answer.message(ev.output))
-                for chunk in self.finish(ev):
-                    yield chunk
+                yield Last(out + b"".join(self.finish(ev)))
+                out = b""
             else:
                 self.answer.observe(ev)
-                for chunk in self.feed(ev):
-                    yield chunk
+                out += b"".join(self.feed(ev))
+                if out:
+                    yield out
+                    out = b""
+        if out:
+            yield out
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.item["id"], "output_index": len(self.output)}

@@ -20,6 +20,10 @@ What can go wrong, and what happens:
   ``<spool_dir>/pending-<timestamp>.jsonl``; the next ``start()`` replays those files before anything else and
   deletes each only once its rows are committed.
 
+Concurrent calls share a commit (group commit: what was queued while one commit ran goes in the next). On
+Postgres the capture transaction runs with ``synchronous_commit`` as configured (``off`` by default, see
+Settings.capture_synchronous_commit): a durable call then waits for its commit to reach Postgres, not the disk.
+
 Calls and rollouts are idempotent (insert-or-ignore by id, upsert), so a replay of rows whose commit was in
 doubt writes them once. Rewards have no natural key and could be written twice in that (rare) case. One spool
 directory belongs to one writer process.
@@ -89,11 +93,20 @@ class CallWriter:
         flush_interval: float = 0.02,
         initial_backoff: float = 0.05,
         max_backoff: float = 5.0,
+        synchronous_commit: str = "on",
     ) -> None:
         if max_queue < 1 or batch_size < 1:
             raise ValueError("max_queue and batch_size must be positive")
+        if synchronous_commit not in ("on", "off"):
+            raise ValueError("synchronous_commit must be 'on' or 'off'")
         self._engine = engine
         self._statements = Statements(engine.dialect.name)
+        # Postgres only, for the capture transaction only (SET LOCAL): other work on the pool keeps its default.
+        self._set_synchronous_commit = (
+            sa.text(f"SET LOCAL synchronous_commit = {synchronous_commit}")
+            if engine.dialect.name == "postgresql"
+            else None
+        )
         self._spool_dir = Path(spool_dir)
         self._max_queue = max_queue
         self._batch_size = batch_size
@@ -365,6 +378,7 @@ class CallWriter:
         dead = list(prepared.dead)
         try:
             with self._engine.begin() as connection:
+                self._configure(connection)
                 self._execute(connection, prepared)
         except Exception as error:
             if is_transient(error):
@@ -386,6 +400,10 @@ class CallWriter:
                 )
         self._dead_letter(dead)
         return _Outcome(written=total - len(dead), dead=dead)
+
+    def _configure(self, connection: sa.Connection) -> None:
+        if self._set_synchronous_commit is not None:
+            connection.execute(self._set_synchronous_commit)
 
     def _execute(self, connection: sa.Connection, prepared: Prepared) -> None:
         statements = self._statements
@@ -418,6 +436,7 @@ class CallWriter:
         rows.extend(([(statements.rewards, row)], [record]) for row, record in prepared.rewards)
         dead: list[tuple[Record, str]] = []
         with self._engine.begin() as connection:
+            self._configure(connection)
             for steps, sources in rows:
                 row = steps[0][1]
                 try:
