@@ -273,7 +273,9 @@ def main() -> int:
         prompt = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
         prompt_ids = tok.encode(prompt, add_special_tokens=False)
         print("starting vLLM ...", file=sys.stderr)
-        with VLLMServer(python, model, served_model_name="tiny", max_model_len=4096) as server:
+        server = VLLMServer(python, model, served_model_name="tiny", max_model_len=4096)
+        server.start(timeout=600)  # minutes on a busy machine
+        with server:
             port = free_port()
             env = {
                 **os.environ,
