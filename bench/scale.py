@@ -10,7 +10,7 @@ then round robin) and prints, for each:
 - errors, and calls captured once (the database holds exactly the call ids the clients received);
 - rollouts per session (1: the session stayed one rollout across both gateways);
 - the replica of every call and how many sessions had all their calls on one replica (from the replicas' request
-  logs, ``--enable-log-requests``: vLLM names a request ``cmpl-<X-Request-Id>…``, the id the gateway sends);
+  logs, ``--enable-log-requests``: vLLM names a request ``cmpl-<X-Request-Id>…``, and the gateway sends its call id);
 - the prefix-cache hit rate, from each replica's ``/metrics`` (``vllm:prefix_cache_hits_total`` over
   ``vllm:prefix_cache_queries_total``, counted over the run).
 
@@ -255,21 +255,14 @@ def run_policy(
             served += [(i, rid) for rid in logged_requests(r.log_path, offsets[i])]
         result: dict[str, Any] = {"elapsed": elapsed, "out": out, "before": before, "after": after}
         if args.via == "gateway":
-            rows = stored_calls(db_url, len(out["calls"]))
-            result["rows"] = rows
-            by_request = {row.request_id: row.id for row in rows}
-            replica_of_call = {}
-            for i, rid in served:
-                for request_id, call_id in by_request.items():
-                    if request_id in rid:
-                        replica_of_call[call_id] = i
-                        break
-        else:
-            replica_of_call = {}
-            for i, rid in served:
-                match = re.search(rf"{tag}s\d{{3}}t\d+", rid)
-                if match and match.group(0) in out["session_of"]:
-                    replica_of_call[match.group(0)] = i
+            result["rows"] = stored_calls(db_url, len(out["calls"]))
+        # The gateway sends vLLM its call id as the request id; without the gateway, the client's own request id.
+        pattern = re.compile(r"call-[0-9a-f]{24}" if args.via == "gateway" else rf"{tag}s\d{{3}}t\d+")
+        replica_of_call = {}
+        for i, rid in served:
+            match = pattern.search(rid)
+            if match and match.group(0) in out["session_of"]:
+                replica_of_call[match.group(0)] = i
         result["replica_of_call"] = replica_of_call
         return result
     finally:
