@@ -3,7 +3,7 @@
 Does the gateway's cost per call grow with the conversation? A harness resends the whole conversation on every
 turn, so a gateway that re-renders (and re-tokenizes) it all pays for every earlier turn again; a spliced render
 should cost what the new suffix costs. This replays an OpenClaw agent session: the first request is the captured
-OpenClaw request (its 26 kB system prompt and 11 tools, /work/shared/fixtures/harness-requests or
+OpenClaw request (its 26 kB system prompt and 11 tools, tests/fixtures/harness-requests/openclaw, or
 ``--fixture``), and each turn the model calls the `read` tool, the client sends back the assistant message as
 OpenClaw does (tool-call ids rewritten, ``call_ab12`` -> ``callab12``), the tool's result (a slice of a standard
 library source file, ``--result-chars``) and OpenClaw's extra user message, so the prompt grows to ~30k tokens.
@@ -39,7 +39,7 @@ import sqlalchemy as sa
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-FIXTURE = Path("/work/shared/fixtures/harness-requests/openclaw/01-chat-completions-after-tool-result.json")
+FIXTURE = ROOT / "tests" / "fixtures" / "harness-requests" / "openclaw" / "01-chat-completions-after-tool-result.json"
 
 SERVER = r"""
 import sys
