@@ -7,7 +7,8 @@ a multi-turn conversation (each turn sends back the previous answer, as harnesse
 between the two gateways. It runs once per router policy (``--policies``: consistent hashing on the session header,
 then round robin) and prints, for each:
 
-- errors, and calls captured once (the database holds exactly the call ids the clients received);
+- errors, and calls captured once (the database holds exactly the call ids the clients received), and how the
+  calls were rendered (spliced: the previous turn's tokens were found, whichever gateway answered it);
 - rollouts per session (1: the session stayed one rollout across both gateways);
 - the replica of every call and how many sessions had all their calls on one replica (from the replicas' request
   logs, ``--enable-log-requests``: vLLM names a request ``cmpl-<X-Request-Id>…``, and the gateway sends its call id);
@@ -200,7 +201,7 @@ def stored_calls(url: str, expected: int) -> list[Any]:
     try:
         for _ in range(300):
             with engine.connect() as conn:
-                rows = list(conn.execute(sa.text("SELECT id, request_id, rollout_id FROM calls")))
+                rows = list(conn.execute(sa.text("SELECT id, rollout_id, render_mode FROM calls")))
             if len(rows) >= expected:
                 break
             time.sleep(0.1)
@@ -293,7 +294,10 @@ def report(args: argparse.Namespace, policy: str, result: dict[str, Any]) -> Non
             if row.id in out["session_of"]:
                 rollouts.setdefault(out["session_of"][row.id], set()).add(row.rollout_id)
         spread = Counter(len(r) for r in rollouts.values())
-        print(f"rollouts per session: {dict(sorted(spread.items()))} (rollouts: sessions)")
+        modes = Counter(row.render_mode for row in result["rows"])
+        # A turn answered by the other gateway than the one before it is spliced only if the parent was found in
+        # the database.
+        print(f"rollouts per session: {dict(sorted(spread.items()))} (rollouts: sessions); render {dict(modes)}")
     replica_of_call = result["replica_of_call"]
     per_session: dict[str, set[int]] = {}
     for call_id, name in out["session_of"].items():
