@@ -80,9 +80,14 @@ uvicorn.run(app, host="127.0.0.1", port=int(port), log_level="warning", access_l
 
 
 def proc_cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of every thread of ``pid`` so far, to the nanosecond (/proc/PID/stat counts 10 ms ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9
 
 
 def tool_results(chars: int) -> list[str]:
@@ -243,7 +248,7 @@ def main() -> int:
             continue
         print(
             f"{n:>4} {row.prompt_len:>13} {row.render_mode:>8} {row.gateway_ms or 0:>10.2f} "
-            f"{elapsed * 1e3:>8.2f} {cpu * 1e3:>7.1f}"
+            f"{elapsed * 1e3:>8.2f} {cpu * 1e3:>7.2f}"
         )
     return 0
 
