@@ -3,26 +3,33 @@
 Read without a Docker engine, as tests/test_compose.py reads the base file: the override is merged onto the base
 file the way compose merges service mappings, then checked against the base services it copies (a second vLLM
 replica with the same command line, a second gateway with the same settings), against vllm-router's own argument
-parser where the router is installed, and against the nginx configuration it mounts. Where the `docker-compose`
-validator is installed, it checks the merged pair of files.
+parser where the router is installed, and against the nginx configuration it mounts; where nginx is installed, that
+configuration runs in front of two stand-in gateways. Where the `docker-compose` validator is installed, it checks
+the merged pair of files.
 """
 
 from __future__ import annotations
 
 import copy
+import http.server
 import json
 import re
 import shutil
+import socket
 import subprocess
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
 from clawgate import cli
 from gateway import cli as gateway_cli
+from gateway.engines.vllm_server import free_port
 from gateway.settings import Settings
 from tests.missing import missing
 from tests.test_compose import (
@@ -269,3 +276,78 @@ def test_docker_compose_validates_the_scale_stack(tmp_path: Path) -> None:
         assert service_env(validated[name]) == service_env(ours[name]), name
         assert validated[name]["command"] == ours[name]["command"], name
     assert set(validated["gateway"]["depends_on"]) == {"migrate", "vllm", "trainer", "vllm-router"}
+
+
+# -- nginx itself, where installed -----------------------------------------------------------------------------------
+
+
+class _Upstream(http.server.BaseHTTPRequestHandler):
+    """A gateway stand-in: streams three server-sent events 0.4 s apart, saying which upstream it is and how many
+    body bytes it received."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        received = len(self.rfile.read(int(self.headers["Content-Length"])))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for i in range(3):
+            data = f"data: {json.dumps({'upstream': self.server.server_port, 'received': received, 'i': i})}\n\n"
+            self.wfile.write(f"{len(data):x}\r\n{data}\r\n".encode())
+            self.wfile.flush()
+            time.sleep(0.4)
+        self.wfile.write(b"0\r\n\r\n")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_nginx_streams_events_as_they_come_and_uses_both_gateways(tmp_path: Path) -> None:
+    binary = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if binary is None:
+        missing("nginx is not installed (Debian: apt-get install nginx)")
+    upstreams = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Upstream) for _ in range(2)]
+    for server in upstreams:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = free_port()
+    conf = NGINX_CONF.read_text("utf-8")
+    for name, server in zip(("gateway", "gateway-2"), upstreams, strict=True):
+        conf = conf.replace(f"server {name}:8080", f"server 127.0.0.1:{server.server_port}")
+    conf = conf.replace("listen 8080;", f"listen 127.0.0.1:{port};")
+    (tmp_path / "nginx.conf").write_text(conf, encoding="utf-8")
+    (tmp_path / "logs").mkdir()
+    directives = f"pid {tmp_path}/nginx.pid; error_log {tmp_path}/error.log; daemon off;"
+    proc = subprocess.Popen([binary, "-p", str(tmp_path), "-c", "nginx.conf", "-g", directives])
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        seen = set()
+        body = b"x" * (20 * 1024 * 1024)  # a 20 MiB prompt passes
+        with httpx.Client(timeout=30) as client:
+            for _ in range(2):
+                arrivals: list[float] = []
+                events = []
+                t0 = time.monotonic()
+                with client.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", content=body) as r:
+                    assert r.status_code == 200
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            arrivals.append(time.monotonic() - t0)
+                            events.append(json.loads(line[6:]))
+                assert [e["i"] for e in events] == [0, 1, 2]
+                assert events[0]["received"] == len(body)
+                # Streamed: each event reached the client when the upstream wrote it, not all at the end.
+                assert arrivals[2] - arrivals[0] > 0.6, arrivals
+                seen.add(events[0]["upstream"])
+        assert seen == {s.server_port for s in upstreams}, "calls go to both gateways"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        for server in upstreams:
+            server.shutdown()
