@@ -143,7 +143,10 @@ async def session(
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": f"Task {name}: fix the failing test in module_{sid}.py and explain the fix."},
     ]
-    async with httpx.AsyncClient(timeout=300) as client:
+    # Idle connections are not reused after 2 s: the gateway (uvicorn) closes them after 5 s, and a turn sent on a
+    # connection it is closing fails with a read error (turns alternate gateways, so each connection idles a turn).
+    limits = httpx.Limits(keepalive_expiry=2.0)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
         await start.wait()
         for turn in range(args.turns):
             base = bases[turn % len(bases)]

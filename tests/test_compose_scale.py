@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 import yaml
 
 from clawgate import cli
@@ -187,6 +188,8 @@ def test_nginx_spreads_calls_over_both_gateways_and_streams_unbuffered(monkeypat
     ports = {name: settings_for(services[name], monkeypatch).port for name in ("gateway", "gateway-2")}
     assert sorted(args[0] for args in upstream["server"]) == sorted(f"{name}:{port}" for name, port in ports.items())
     assert int(upstream["keepalive"][0][0]) > 0
+    # nginx must drop an idle connection before the gateway does, or a call races the gateway's close.
+    assert seconds(upstream["keepalive_timeout"][0][0]) < uvicorn.Config("gateway.app:build_app").timeout_keep_alive
 
     (server,) = http["server"]
     published, container_port = nginx["ports"][0].split(":")
