@@ -1,15 +1,21 @@
-"""Gateway overhead vs calling vLLM directly, measured side by side in one run.
+"""Gateway overhead vs calling vLLM directly, measured side by side in one run, with LiteLLM's proxy beside it.
 
-Starts a vLLM CPU server on the tiny model and a clawgate gateway (a separate process, engine `vllm`) in front of
-it, then interleaves identical requests (same prompt ids, same seed, so the same tokens are generated):
+Starts a vLLM CPU server on the tiny model, a clawgate gateway (a separate process, engine `vllm`) in front of it
+and, where LiteLLM's proxy is installed in its own environment (``--litellm-python``, default ``.venv-litellm``:
+``python3 -m venv .venv-litellm && .venv-litellm/bin/pip install 'litellm[proxy]'``, the `bench` extra), a
+``litellm --config`` proxy with a ``hosted_vllm`` model on the same vLLM server. Identical requests (same seed, so
+the same tokens are generated) are interleaved to all of them:
 
 - direct:  POST vLLM /v1/completions with the rendered prompt ids (what the gateway itself sends);
-- gateway: POST clawgate /v1/chat/completions with the chat messages (render, generate, parse, capture).
+- gateway: POST clawgate /v1/chat/completions with the chat messages (render, generate, parse, capture);
+- litellm: POST LiteLLM /v1/chat/completions with the chat messages (vLLM renders them).
 
-Prints p50/p99 latency (non-streaming), time to first token and total time (streaming), throughput at concurrency
-8, and the gateway process's CPU seconds per request (from /proc), with the direct baseline beside each figure.
+Prints p50/p99 latency (non-streaming), time to first token and total time (streaming), the added latency and TTFT
+per call against direct, throughput at concurrency 8 relative to direct, each proxy's CPU seconds per request and
+its RSS (from /proc, the process and its children), with the direct baseline beside each figure.
 
     .venv/bin/python bench/gateway_latency.py [--requests 200] [--database-url URL] [--vllm-python PATH]
+                                             [--litellm-python PATH | --no-litellm]
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -38,12 +45,59 @@ MESSAGES = [
     {"role": "user", "content": "List the files in the current directory and summarize them."},
 ]
 MAX_TOKENS = 16
+LITELLM_CONFIG = """\
+model_list:
+  - model_name: tiny
+    litellm_params:
+      model: hosted_vllm/tiny
+      api_base: {api_base}/v1
+      api_key: none
+litellm_settings:
+  drop_params: true
+general_settings:
+  # The proxy refuses to start without one.
+  master_key: {master_key}
+"""
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (a proxy may run its server in a child process)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo.extend(children.get(current, []))
+    return tree
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+    total = 0.0
+    for p in process_tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return total
+
+
+def rss_mib(pid: int) -> float:
+    total = 0.0
+    for p in process_tree(pid):
+        try:
+            lines = Path(f"/proc/{p}/status").read_text().splitlines()
+        except OSError:
+            continue
+        total += next((int(line.split()[1]) for line in lines if line.startswith("VmRSS:")), 0) / 1024
+    return total
 
 
 def pct(values: list[float], q: float) -> float:
@@ -51,48 +105,45 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def one_direct(
-    client: httpx.AsyncClient, url: str, prompt: list[int], seed: int, stream: bool
+class Target:
+    """One way to get the same completion: vLLM itself, or a proxy in front of it."""
+
+    def __init__(
+        self, name: str, url: str, pid: int | None, prompt: list[int] | None = None, key: str | None = None
+    ) -> None:
+        self.name, self.url, self.pid, self.prompt = name, url, pid, prompt
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def call(self, client: httpx.AsyncClient, seed: int, stream: bool) -> tuple[float, float]:
+        common = {"model": "tiny", "max_tokens": MAX_TOKENS, "seed": seed, "temperature": 1.0, "stream": stream}
+        if self.prompt is not None:
+            body = {
+                **common,
+                "prompt": self.prompt,
+                "logprobs": 1,
+                "return_token_ids": True,
+                "return_tokens_as_token_ids": True,
+            }
+            return await _timed(client, self.url + "/v1/completions", body, stream)
+        body = {**common, "messages": MESSAGES}
+        return await _timed(client, self.url + "/v1/chat/completions", body, stream, self.headers)
+
+
+async def _timed(
+    client: httpx.AsyncClient, url: str, body: dict, stream: bool, headers: dict[str, str] | None = None
 ) -> tuple[float, float]:
-    body = {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "seed": seed,
-        "temperature": 1.0,
-        "logprobs": 1,
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,
-        "stream": stream,
-    }
-    return await _timed(client, url + "/v1/completions", body, stream)
-
-
-async def one_gateway(client: httpx.AsyncClient, url: str, seed: int, stream: bool) -> tuple[float, float]:
-    body = {
-        "model": "tiny",
-        "messages": MESSAGES,
-        "max_tokens": MAX_TOKENS,
-        "seed": seed,
-        "temperature": 1.0,
-        "stream": stream,
-    }
-    return await _timed(client, url + "/v1/chat/completions", body, stream)
-
-
-async def _timed(client: httpx.AsyncClient, url: str, body: dict, stream: bool) -> tuple[float, float]:
     t0 = time.perf_counter()
     first = 0.0
     if not stream:
-        r = await client.post(url, json=body)
+        r = await client.post(url, json=body, headers=headers)
         r.raise_for_status()
         total = time.perf_counter() - t0
         return total, total
-    async with client.stream("POST", url, json=body) as r:
+    async with client.stream("POST", url, json=body, headers=headers) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            # Both servers send their first event once the first token exists (the gateway holds its role
-            # chunk until then, so engine errors can still get a real status code).
+            # Every server sends its first event once the first token exists (the gateway holds its role chunk
+            # until then, so engine errors can still get a real status code).
             if not first and line.startswith("data: "):
                 first = time.perf_counter() - t0
     return first or time.perf_counter() - t0, time.perf_counter() - t0
@@ -110,64 +161,91 @@ async def throughput(call, n: int, concurrency: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-async def measure(args: argparse.Namespace, vllm_url: str, gw_url: str, gw_pid: int, prompt: list[int]) -> None:
+async def measure(args: argparse.Namespace, targets: list[Target], prompt_len: int) -> None:
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    names = [t.name for t in targets]
+    latency: dict[str, list[float]] = {n: [] for n in names}
+    ttft: dict[str, list[float]] = {n: [] for n in names}
+    stream_total: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [0.0, 0.0] for n in names}
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-        for i in range(10):  # warm-up both paths
-            await one_direct(client, vllm_url, prompt, i, False)
-            await one_gateway(client, gw_url, i, False)
-        results: dict[str, list[float]] = {k: [] for k in ("d", "g", "d_ttft", "g_ttft", "d_stream", "g_stream")}
-        cpu0 = cpu_seconds(gw_pid)
-        for i in range(args.requests):
-            seed = 1000 + i
-            results["d"].append((await one_direct(client, vllm_url, prompt, seed, False))[0])
-            results["g"].append((await one_gateway(client, gw_url, seed, False))[0])
-        cpu_nonstream = (cpu_seconds(gw_pid) - cpu0) / args.requests
-        cpu0 = cpu_seconds(gw_pid)
-        for i in range(args.requests):
-            seed = 5000 + i
-            ttft, total = await one_direct(client, vllm_url, prompt, seed, True)
-            results["d_ttft"].append(ttft)
-            results["d_stream"].append(total)
-            ttft, total = await one_gateway(client, gw_url, seed, True)
-            results["g_ttft"].append(ttft)
-            results["g_stream"].append(total)
-        cpu_stream = (cpu_seconds(gw_pid) - cpu0) / args.requests
+        for i in range(10):  # warm-up every path
+            for t in targets:
+                await t.call(client, i, False)
+                await t.call(client, i, True)
+        for column, stream, seeds in ((0, False, 1000), (1, True, 5000)):
+            before = {t.name: cpu_seconds(t.pid) for t in targets if t.pid}
+            for i in range(args.requests):
+                # Interleaved: a slow spell of the machine hits every column alike.
+                for t in targets:
+                    first, total = await t.call(client, seeds + i, stream)
+                    if stream:
+                        ttft[t.name].append(first)
+                        stream_total[t.name].append(total)
+                    else:
+                        latency[t.name].append(total)
+            for t in targets:
+                if t.pid:
+                    cpu[t.name][column] = (cpu_seconds(t.pid) - before[t.name]) / args.requests
         n_tp = max(args.requests // 2, 32)
-        tp_direct = await throughput(lambda i: one_direct(client, vllm_url, prompt, 9000 + i, False), n_tp, 8)
-        tp_gateway = await throughput(lambda i: one_gateway(client, gw_url, 9000 + i, False), n_tp, 8)
+        rate = {}
+        for t in targets:
+            rate[t.name] = await throughput(lambda i, t=t: t.call(client, 9000 + i, False), n_tp, 8)
+    rss = {t.name: rss_mib(t.pid) for t in targets if t.pid}
 
-    def row(name: str, d: list[float], g: list[float]) -> None:
-        d50, g50, d99, g99 = (pct(d, 0.5) * 1e3, pct(g, 0.5) * 1e3, pct(d, 0.99) * 1e3, pct(g, 0.99) * 1e3)
-        print(
-            f"{name:<28} direct p50 {d50:7.2f} ms  gateway p50 {g50:7.2f} ms  (+{g50 - d50:5.2f} ms, "
-            f"{g50 / d50:4.2f}x)   p99 {d99:7.2f} -> {g99:7.2f} ms"
-        )
+    direct, proxies = names[0], names[1:]
+    print(
+        f"\n{args.requests} requests each, {MAX_TOKENS} completion tokens, prompt {prompt_len} tokens, "
+        f"gateway capture to {db_label(args.database_url)}"
+    )
+    header = f"{'':<34}" + "".join(f"{n:>16}" for n in names)
+    print(header)
 
-    print(
-        f"\n{args.requests} requests each, {MAX_TOKENS} completion tokens, prompt {len(prompt)} tokens, "
-        f"capture to {db_label(args.database_url)}"
-    )
-    row("non-streaming latency", results["d"], results["g"])
-    row("streaming time to 1st token", results["d_ttft"], results["g_ttft"])
-    row("streaming total", results["d_stream"], results["g_stream"])
-    diffs = [g - d for d, g in zip(results["d"], results["g"], strict=True)]
-    print(
-        f"{'added latency per call':<28} p50 {statistics.median(diffs) * 1e3:.2f} ms  "
-        f"mean {statistics.mean(diffs) * 1e3:.2f} ms"
-    )
-    print(
-        f"{'throughput @ concurrency 8':<28} direct {tp_direct:6.1f} req/s  gateway {tp_gateway:6.1f} req/s  "
-        f"({tp_gateway / tp_direct:4.2f}x)"
-    )
-    print(
-        f"{'gateway CPU per request':<28} non-streaming {cpu_nonstream * 1e3:.2f} ms  "
-        f"streaming {cpu_stream * 1e3:.2f} ms"
-    )
+    def row(label: str, values: list[str]) -> None:
+        print(f"{label:<34}" + "".join(f"{v:>16}" for v in values))
+
+    def ms(x: float) -> str:
+        return f"{x * 1e3:.2f} ms"
+
+    row("non-streamed latency p50", [ms(pct(latency[n], 0.5)) for n in names])
+    row("non-streamed latency p99", [ms(pct(latency[n], 0.99)) for n in names])
+    row("streamed TTFT p50", [ms(pct(ttft[n], 0.5)) for n in names])
+    row("streamed total p50", [ms(pct(stream_total[n], 0.5)) for n in names])
+
+    def added(series: dict[str, list[float]], n: str) -> str:
+        diffs = [p - d for d, p in zip(series[direct], series[n], strict=True)]
+        return f"+{statistics.median(diffs) * 1e3:.2f} ms"
+
+    row("added latency p50 (non-streamed)", ["—"] + [added(latency, n) for n in proxies])
+    row("added TTFT p50 (streamed)", ["—"] + [added(ttft, n) for n in proxies])
+    row("CPU per call, non-streamed", ["—"] + [ms(cpu[n][0]) for n in proxies])
+    row("CPU per call, streamed", ["—"] + [ms(cpu[n][1]) for n in proxies])
+    row("throughput @ concurrency 8", [f"{rate[n]:.1f}/s {rate[n] / rate[direct]:.2f}x" for n in names])
+    row("RSS", ["—"] + [f"{rss[n]:.0f} MiB" for n in proxies])
 
 
 def db_label(url: str) -> str:
     return url.split("://", 1)[0]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, name: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"{name} failed to start")
+        time.sleep(0.2)
+
+
+def find_litellm(setting: str | None) -> Path | None:
+    """The ``litellm`` command beside ``setting`` (a python), else beside ``.venv-litellm/bin/python``."""
+    python = Path(setting) if setting else ROOT / ".venv-litellm" / "bin" / "python"
+    command = python.parent / "litellm"
+    return command if command.exists() else None
 
 
 def main() -> int:
@@ -175,11 +253,16 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--database-url", default=None, help="capture database (default: a temporary SQLite file)")
     ap.add_argument("--vllm-python", default=None, help="python of a vLLM install (default .venv-vllm)")
+    ap.add_argument("--litellm-python", default=None, help="python of a litellm[proxy] install (.venv-litellm)")
+    ap.add_argument("--no-litellm", action="store_true", help="leave LiteLLM's column out")
     args = ap.parse_args()
     python = find_vllm_python(args.vllm_python)
     if python is None:
         print("no vLLM install found: run ./dev setup-vllm or pass --vllm-python", file=sys.stderr)
         return 2
+    litellm = None if args.no_litellm else find_litellm(args.litellm_python)
+    if litellm is None and not args.no_litellm:
+        print("no LiteLLM proxy found (.venv-litellm or --litellm-python): its column is left out", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(Path(tmp) / "tiny")
         args.database_url = args.database_url or f"sqlite:///{tmp}/bench.db"
@@ -190,7 +273,9 @@ def main() -> int:
         prompt = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
         prompt_ids = tok.encode(prompt, add_special_tokens=False)
         print("starting vLLM ...", file=sys.stderr)
-        with VLLMServer(python, model, served_model_name="tiny", max_model_len=4096) as server:
+        server = VLLMServer(python, model, served_model_name="tiny", max_model_len=4096)
+        server.start(timeout=600)  # minutes on a busy machine
+        with server:
             port = free_port()
             env = {
                 **os.environ,
@@ -204,24 +289,35 @@ def main() -> int:
                 "CLAWGATE_DATA_DIR": f"{tmp}/data",
                 "CLAWGATE_LOG_LEVEL": "warning",
             }
-            gw = subprocess.Popen([sys.executable, "-m", "clawgate.cli", "serve"], env=env, cwd=ROOT)
+            procs: list[subprocess.Popen] = []
             try:
+                gw = subprocess.Popen([sys.executable, "-m", "clawgate.cli", "serve"], env=env, cwd=ROOT)
+                procs.append(gw)
+                targets = [Target("vLLM direct", server.url, None, prompt_ids)]
                 gw_url = f"http://127.0.0.1:{port}"
-                deadline = time.monotonic() + 120
-                while True:
-                    try:
-                        if httpx.get(gw_url + "/health", timeout=2).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    if gw.poll() is not None or time.monotonic() > deadline:
-                        print("gateway failed to start", file=sys.stderr)
-                        return 1
-                    time.sleep(0.2)
-                asyncio.run(measure(args, server.url, gw_url, gw.pid, prompt_ids))
+                wait_healthy(gw_url + "/health", gw, "gateway")
+                targets.append(Target("clawgate", gw_url, gw.pid))
+                if litellm is not None:
+                    config = Path(tmp) / "litellm.yaml"
+                    key = f"sk-{secrets.token_hex(24)}"
+                    config.write_text(LITELLM_CONFIG.format(api_base=server.url, master_key=key))
+                    lport = free_port()
+                    lenv = {**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"}
+                    lp = subprocess.Popen(
+                        [str(litellm), "--config", str(config), "--host", "127.0.0.1", "--port", str(lport)],
+                        env=lenv,
+                        cwd=tmp,
+                        stdout=subprocess.DEVNULL,
+                    )
+                    procs.append(lp)
+                    lurl = f"http://127.0.0.1:{lport}"
+                    wait_healthy(lurl + "/health/liveliness", lp, "LiteLLM proxy")
+                    targets.append(Target("LiteLLM", lurl, lp.pid, key=key))
+                asyncio.run(measure(args, targets, len(prompt_ids)))
             finally:
-                gw.terminate()
-                gw.wait(timeout=30)
+                for proc in procs:
+                    proc.terminate()
+                    proc.wait(timeout=30)
     return 0
 
 
