@@ -395,3 +395,15 @@ def test_tool_spec_to_template() -> None:
         "description": "Weather for a city.",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
     }
+
+
+def test_whitespace_removal_matches_the_regex_on_every_code_point() -> None:
+    # Stored tail hashes were computed with re's ``\s+``; the faster str.split() must drop exactly the same
+    # characters, or a conversation answered before an upgrade would no longer splice.
+    import re
+
+    from gateway.conversation import _norm_text
+
+    pattern = re.compile(r"\s+")
+    every = "".join(f"{chr(code)}." for code in range(0x110000) if not 0xD800 <= code <= 0xDFFF)
+    assert _norm_text(every) == pattern.sub("", every)
