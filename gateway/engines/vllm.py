@@ -29,7 +29,7 @@ import asyncio
 import json
 import logging
 import secrets
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from typing import Any
 
 import httpx
@@ -349,7 +349,7 @@ class VLLMEngine:
         everywhere = set.intersection(*(set(names) for names in loaded))
         return [name for name in loaded[0] if name in everywhere]
 
-    async def _on_every_replica(self, step: Any, *args: Any) -> None:
+    async def _on_every_replica(self, step: Callable[..., Awaitable[None]], *args: str) -> None:
         """Run ``step(url, *args)`` on every replica at once; a replica that is down is skipped as long as one
         answered, any other failure is raised."""
         results = await asyncio.gather(*(step(url, *args) for url in self.replicas), return_exceptions=True)
