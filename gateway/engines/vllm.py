@@ -225,7 +225,10 @@ class VLLMEngine:
         task.add_done_callback(self._aborts.discard)
 
     async def _abort(self, vllm_id: str) -> None:
-        answers = await asyncio.gather(*(self._abort_on(url, vllm_id) for url in self.replicas))
+        if len(self.replicas) == 1:  # no gather: its extra tasks would let a second close abort before this ends
+            answers = [await self._abort_on(self.replicas[0], vllm_id)]
+        else:
+            answers = await asyncio.gather(*(self._abort_on(url, vllm_id) for url in self.replicas))
         responses = [r for r in answers if r is not None]
         if not responses:
             return
