@@ -72,6 +72,7 @@ def make_engine(settings: Settings, tokenizer: Any) -> Engine:
         model=settings.vllm_model or settings.model,
         timeout=settings.vllm_timeout,
         eos_token_ids=sorted(end_ids),
+        replicas=settings.vllm_replicas,
     )
 
 

@@ -206,7 +206,9 @@ class ChatService:
         if params.seed is not None and index:
             params = replace(params, seed=params.seed + index)
         call_id = prep.call_ids[index]
-        request = GenerationRequest(call_id, prep.prompt_ids, params, prep.adapter, stream=job.stream)
+        request = GenerationRequest(
+            call_id, prep.prompt_ids, params, prep.adapter, stream=job.stream, session_id=prep.rollout_id
+        )
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
         trimmer = StopTrimmer(params.stop)
         parser: OutputParser | PlainText

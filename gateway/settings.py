@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     # Interpreter of a vLLM install (for `--engine vllm` started by clawgate, and for tests).
     vllm_python: str | None = None
     vllm_timeout: float = 600.0
+    # Several vLLM replicas behind a router (`vllm_url` then points at the router): their own base URLs, to which
+    # the gateway sends what must reach every replica (adapter loads and unloads, aborts). Empty: one server.
+    vllm_replicas: Annotated[list[str], NoDecode] = Field(default_factory=list)
     local_dtype: Literal["float32", "bfloat16"] = "float32"
     # Tool-call/reasoning parser family for the model's output.
     parser: str = "hermes"
@@ -172,7 +175,7 @@ class Settings(BaseSettings):
 
     log_level: str = "info"
 
-    @field_validator("api_keys", "model_aliases", "reward_functions", mode="before")
+    @field_validator("api_keys", "model_aliases", "reward_functions", "vllm_replicas", mode="before")
     @classmethod
     def _csv(cls, value: object) -> object:
         return _split_csv(value)

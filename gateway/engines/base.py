@@ -40,6 +40,9 @@ class GenerationRequest:
     # False when nobody watches tokens arrive: an engine may then generate in one piece (cheaper over HTTP);
     # it still yields one TokenDelta with every token, then the GenerationEnd.
     stream: bool = True
+    # The rollout the call belongs to: an engine behind a router sends it as the session key, so that every call
+    # of a rollout lands on the replica that holds its prefix cache.
+    session_id: str | None = None
 
 
 @dataclass(slots=True)

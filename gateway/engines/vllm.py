@@ -12,6 +12,15 @@ aborted explicitly: each request carries ``X-Request-Id`` (vLLM names it ``cmpl-
 ``POST /inference/v1/abort_requests``, which vLLM serves when started with ``--enable-scale-out``
 (``VLLMServer`` and the compose file pass it). Without that endpoint (403/404) the client stops trying and
 relies on the disconnect alone.
+
+Several replicas (``replicas``: their base URLs) sit behind a router at ``base_url`` (``vllm-router``, see
+``gateway/engines/vllm_router.py``). Generations go through the router with the rollout id in ``X-Session-ID``,
+which its ``consistent_hash`` policy hashes first, so a rollout's calls reach the replica that holds its prefix
+cache. What every replica must do goes to each of them directly: adapter loads and unloads (a version is served
+only after every reachable replica loaded it), the adapter list (the versions loaded on every reachable replica,
+so a replica that came back without the current version makes the policy follower load it again), and aborts
+(the router does not say which replica runs a request; an abort naming an id a replica does not know is a no-op
+there). A replica that is down is skipped; when none answers the engine is unavailable.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import asyncio
 import json
 import logging
 import secrets
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from typing import Any
 
 import httpx
@@ -39,16 +48,19 @@ from gateway.engines.vllm_wire import timings as read_timings
 from gateway.errors import APIError, BadRequest, EngineError, EngineTimeout, EngineUnavailable, NotFound
 
 logger = logging.getLogger(__name__)
+# The header vllm-router's consistent_hash policy reads first (before X-User-ID, X-Request-ID, body fields).
+SESSION_HEADER = "X-Session-ID"
 
 
 class VLLMEngine:
     """``Engine`` backed by a vLLM server at ``base_url`` (without the ``/v1`` suffix) serving ``model``.
 
-    ``eos_token_ids`` are the ids that end a turn for this model (the tokenizer's EOS and, for chat models,
-    the generation config's extra ones). They are sent as ``stop_token_ids`` on every request, so generation
-    stops on them whether or not the server read the model's generation config. ``client`` lets a caller
-    share one ``httpx.AsyncClient`` (it is then not closed by ``close``); otherwise ``start`` creates one
-    sized for ``max_connections`` concurrent streams.
+    ``replicas`` are the base URLs of the vLLM servers behind a router at ``base_url`` (see the module
+    docstring); empty for one server. ``eos_token_ids`` are the ids that end a turn for this model (the
+    tokenizer's EOS and, for chat models, the generation config's extra ones). They are sent as
+    ``stop_token_ids`` on every request, so generation stops on them whether or not the server read the model's
+    generation config. ``client`` lets a caller share one ``httpx.AsyncClient`` (it is then not closed by
+    ``close``); otherwise ``start`` creates one sized for ``max_connections`` concurrent streams.
     """
 
     name = "vllm"
@@ -65,8 +77,11 @@ class VLLMEngine:
         eos_token_ids: Iterable[int] = (),
         max_connections: int = 512,
         connect_timeout: float = 5.0,
+        replicas: Iterable[str] = (),
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        # Where adapter loads, the adapter list and aborts go: each replica, or the one server.
+        self.replicas = [url.rstrip("/") for url in replicas] or [self.base_url]
         self.model = model
         self.max_model_len = max_model_len or 0
         self.eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
@@ -191,7 +206,11 @@ class VLLMEngine:
         A random suffix keeps it unique when one gateway id is generated twice (a retry, several choices).
         """
         sent = f"{request.request_id}-{secrets.token_hex(4)}"
-        return f"cmpl-{sent}-0", {**self._headers, "X-Request-Id": sent}
+        headers = {**self._headers, "X-Request-Id": sent}
+        if request.session_id is not None:
+            # The router's first hash key; without it, it would hash X-Request-Id and scatter a rollout.
+            headers[SESSION_HEADER] = request.session_id
+        return f"cmpl-{sent}-0", headers
 
     def _abort_later(self, vllm_id: str) -> None:
         """Ask vLLM to stop ``vllm_id`` without making the caller wait (it may be closing or cancelled)."""
@@ -206,16 +225,15 @@ class VLLMEngine:
         task.add_done_callback(self._aborts.discard)
 
     async def _abort(self, vllm_id: str) -> None:
-        try:
-            response = await self._http.post(
-                f"{self.base_url}/inference/v1/abort_requests",
-                json={"request_ids": [vllm_id]},
-                headers=self._headers,
-                timeout=5.0,
-            )
-        except (httpx.HTTPError, EngineUnavailable, RuntimeError) as exc:  # RuntimeError: the client was closed
-            logger.debug("could not abort vLLM request %s: %r", vllm_id, exc)
+        if len(self.replicas) == 1:  # no gather: its extra tasks would let a second close abort before this ends
+            answers = [await self._abort_on(self.replicas[0], vllm_id)]
+        else:
+            answers = await asyncio.gather(*(self._abort_on(url, vllm_id) for url in self.replicas))
+        responses = [r for r in answers if r is not None]
+        if not responses:
             return
+        # Every replica runs the same server, so the first answer tells whether the endpoint exists.
+        response = next((r for r in responses if r.status_code < 400), responses[0])
         if response.status_code in (403, 404, 405):
             if self.abort_supported is not False:
                 logger.info(
@@ -229,6 +247,18 @@ class VLLMEngine:
             self.aborts_sent += 1
         else:
             logger.debug("vLLM refused to abort %s: %s %s", vllm_id, response.status_code, response.text[:200])
+
+    async def _abort_on(self, url: str, vllm_id: str) -> httpx.Response | None:
+        try:
+            return await self._http.post(
+                f"{url}/inference/v1/abort_requests",
+                json={"request_ids": [vllm_id]},
+                headers=self._headers,
+                timeout=5.0,
+            )
+        except (httpx.HTTPError, EngineUnavailable, RuntimeError) as exc:  # RuntimeError: the client was closed
+            logger.debug("could not abort vLLM request %s at %s: %r", vllm_id, url, exc)
+            return None
 
     def _transport_error(self, exc: httpx.TransportError) -> APIError:
         return transport_error(self.base_url, exc)
@@ -276,8 +306,11 @@ class VLLMEngine:
     # ---- adapters ----------------------------------------------------------------------------------------
 
     async def load_adapter(self, name: str, path: str) -> None:
+        await self._on_every_replica(self._load_on, name, str(path))
+
+    async def _load_on(self, url: str, name: str, path: str) -> None:
         response = await self._request(
-            "POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}
+            "POST", "/v1/load_lora_adapter", base=url, json={"lora_name": name, "lora_path": path}
         )
         if response.status_code < 400:
             return
@@ -287,18 +320,49 @@ class VLLMEngine:
         if (
             isinstance(error, BadRequest)
             and "already been loaded" in error.message
-            and await self._adapter_path(name) == str(path)
+            and await self._adapter_path(name, url) == path
         ):
             return
         raise error
 
     async def unload_adapter(self, name: str) -> None:
-        response = await self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+        await self._on_every_replica(self._unload_on, name)
+
+    async def _unload_on(self, url: str, name: str) -> None:
+        response = await self._request("POST", "/v1/unload_lora_adapter", base=url, json={"lora_name": name})
         if response.status_code >= 400:
-            raise error_from_response(response)
+            error = error_from_response(response)
+            # A replica that restarted since the load no longer has it, which is what unloading asks for.
+            if len(self.replicas) > 1 and isinstance(error, NotFound):
+                return
+            raise error
 
     async def adapters(self) -> list[str]:
-        return [card["id"] for card in await self._model_cards() if card.get("parent")]
+        """The adapters loaded on every reachable replica (on the one server)."""
+        answers = await asyncio.gather(*(self._model_cards(url) for url in self.replicas), return_exceptions=True)
+        loaded: list[list[str]] = []
+        for answer in answers:
+            if isinstance(answer, EngineUnavailable) and len(self.replicas) > 1:
+                continue  # down: it is given the current version when it is back
+            if isinstance(answer, BaseException):
+                raise answer
+            loaded.append([card["id"] for card in answer if card.get("parent")])
+        if not loaded:
+            raise EngineUnavailable(f"no vLLM replica answers ({', '.join(self.replicas)})")
+        everywhere = set.intersection(*(set(names) for names in loaded))
+        return [name for name in loaded[0] if name in everywhere]
+
+    async def _on_every_replica(self, step: Callable[..., Awaitable[None]], *args: str) -> None:
+        """Run ``step(url, *args)`` on every replica at once; a replica that is down is skipped as long as one
+        answered, any other failure is raised."""
+        results = await asyncio.gather(*(step(url, *args) for url in self.replicas), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        down = [e for e in errors if isinstance(e, EngineUnavailable)]
+        for error in errors:
+            if not isinstance(error, EngineUnavailable) or len(down) == len(results) or len(self.replicas) == 1:
+                raise error
+        for error in down:
+            logger.warning("%s (skipped: it gets the current version when it is back)", error.message)
 
     # ---- helpers -----------------------------------------------------------------------------------------
 
@@ -308,18 +372,19 @@ class VLLMEngine:
             raise EngineUnavailable("the vLLM engine is not started")
         return self._client
 
-    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async def _request(self, method: str, path: str, base: str | None = None, **kwargs: Any) -> httpx.Response:
+        base = base or self.base_url
         try:
-            return await self._http.request(method, f"{self.base_url}{path}", headers=self._headers, **kwargs)
+            return await self._http.request(method, f"{base}{path}", headers=self._headers, **kwargs)
         except httpx.TimeoutException as exc:
             if isinstance(exc, httpx.ConnectTimeout):
-                raise EngineUnavailable(f"vLLM at {self.base_url} did not accept a connection") from exc
-            raise EngineTimeout(f"vLLM at {self.base_url} timed out on {path}") from exc
+                raise EngineUnavailable(f"vLLM at {base} did not accept a connection") from exc
+            raise EngineTimeout(f"vLLM at {base} timed out on {path}") from exc
         except httpx.TransportError as exc:
-            raise EngineUnavailable(f"vLLM at {self.base_url} is unreachable: {exc!r}") from exc
+            raise EngineUnavailable(f"vLLM at {base} is unreachable: {exc!r}") from exc
 
-    async def _model_cards(self) -> list[dict[str, Any]]:
-        response = await self._request("GET", "/v1/models")
+    async def _model_cards(self, base: str | None = None) -> list[dict[str, Any]]:
+        response = await self._request("GET", "/v1/models", base=base)
         if response.status_code >= 400:
             raise error_from_response(response)
         cards: list[dict[str, Any]] = response.json().get("data", [])
@@ -331,8 +396,8 @@ class VLLMEngine:
                 return int(card["max_model_len"])
         raise NotFound(f"vLLM at {self.base_url} serves no base model named {self.model!r}", param="model")
 
-    async def _adapter_path(self, name: str) -> str | None:
-        for card in await self._model_cards():
+    async def _adapter_path(self, name: str, base: str | None = None) -> str | None:
+        for card in await self._model_cards(base):
             if card.get("id") == name and card.get("parent"):
                 root: str | None = card.get("root")
                 return root

