@@ -90,6 +90,8 @@ def test_scale_stack_has_two_replicas_a_router_two_gateways_and_nginx(monkeypatc
     first, second = services["vllm"], services["vllm-2"]
     for key in ("image", "entrypoint", "command", "environment", "volumes", "ipc", "healthcheck"):
         assert second[key] == first[key], key
+    assert first["environment"]["VLLM_PLUGINS"] == "lora_filesystem_resolver"
+    assert first["environment"]["VLLM_LORA_RESOLVER_CACHE_DIR"] == "/adapters"  # where the trainer publishes
     gpus = [s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for s in (first, second)]
     assert gpus == [["0"], ["1"]]
 
