@@ -287,8 +287,8 @@ def test_docker_compose_validates_the_scale_stack(tmp_path: Path) -> None:
 
 
 class _Upstream(http.server.BaseHTTPRequestHandler):
-    """A gateway stand-in: streams three server-sent events 0.4 s apart, saying which upstream it is and how many
-    body bytes it received."""
+    """A gateway stand-in: streams three server-sent events, saying which upstream it is and how many body bytes it
+    received; 0.4 s apart for a large body (the streaming check), at once for a small one (the affinity checks)."""
 
     protocol_version = "HTTP/1.1"
 
@@ -302,7 +302,8 @@ class _Upstream(http.server.BaseHTTPRequestHandler):
             data = f"data: {json.dumps({'upstream': self.server.server_port, 'received': received, 'i': i})}\n\n"
             self.wfile.write(f"{len(data):x}\r\n{data}\r\n".encode())
             self.wfile.flush()
-            time.sleep(0.4)
+            if received > 1024:
+                time.sleep(0.4)
         self.wfile.write(b"0\r\n\r\n")
 
     def log_message(self, *args: Any) -> None:
@@ -332,9 +333,15 @@ def test_nginx_streams_events_as_they_come_and_uses_both_gateways(tmp_path: Path
                 break
             except OSError:
                 time.sleep(0.1)
-        seen = set()
         body = b"x" * (20 * 1024 * 1024)  # a 20 MiB prompt passes
+        base = f"http://127.0.0.1:{port}"
         with httpx.Client(timeout=30) as client:
+
+            def upstream(path: str = "/v1/chat/completions", headers: dict[str, str] | None = None) -> int:
+                r = client.post(base + path, content=b"{}", headers=headers or {})
+                assert r.status_code == 200
+                return int(json.loads(r.text.split("\n")[0][6:])["upstream"])
+
             for _ in range(2):
                 arrivals: list[float] = []
                 events = []
@@ -349,8 +356,21 @@ def test_nginx_streams_events_as_they_come_and_uses_both_gateways(tmp_path: Path
                 assert events[0]["received"] == len(body)
                 # Streamed: each event reached the client when the upstream wrote it, not all at the end.
                 assert arrivals[2] - arrivals[0] > 0.6, arrivals
-                seen.add(events[0]["upstream"])
-        assert seen == {s.server_port for s in upstreams}, "calls go to both gateways"
+            # Calls that name no session spread over both gateways (by their own request id: 40 calls all on one
+            # gateway would be a 1 in 2**39 chance); a named session stays on one gateway, whichever it is.
+            ports = {s.server_port for s in upstreams}
+            assert {upstream() for _ in range(40)} == ports, "calls go to both gateways"
+            named = [
+                ("/v1/messages", "x-claude-code-session-id"),  # Claude Code
+                ("/v1/responses", "session-id"),  # Codex
+            ]
+            for path, header in named:
+                homes = {f"s{i}": {upstream(path, {header: f"s{i}"}) for _ in range(4)} for i in range(12)}
+                assert all(len(home) == 1 for home in homes.values()), (header, homes)
+                assert set().union(*homes.values()) == ports, "sessions are spread over both gateways"
+            for i in range(12):
+                path = f"/rollouts/ro-{i}/v1/chat/completions"
+                assert len({upstream(path) for _ in range(4)}) == 1, path
     finally:
         proc.terminate()
         proc.wait(timeout=10)
