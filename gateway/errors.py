@@ -20,6 +20,7 @@ Engines raise these too, so a vLLM 400 (say, a prompt over the context window) r
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -36,10 +37,19 @@ class APIError(Exception):
         self.code = code
         # Seconds a client should wait before trying again (sent as Retry-After), for refusals that will pass.
         self.retry_after = retry_after
+        # The calls this error ended (recorded failed), named in the response as a success names its calls.
+        self.calls: dict[str, str] = {}
 
     @property
     def headers(self) -> dict[str, str] | None:
-        return None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+        headers = dict(self.calls)
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
+        return headers or None
+
+    def of_calls(self, call_ids: Iterable[str], rollout_ids: Iterable[str]) -> None:
+        """Name the calls this error ended: a client can look them up (or match them to what was recorded)."""
+        self.calls = call_headers(call_ids, rollout_ids)
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -50,6 +60,14 @@ class APIError(Exception):
             "type": "error",
             "error": {"type": ANTHROPIC_TYPES.get(self.status_code, "api_error"), "message": self.message},
         }
+
+
+def call_headers(call_ids: Iterable[str], rollout_ids: Iterable[str]) -> dict[str, str]:
+    """The headers naming a response's calls and their rollouts (a success's and a failure's alike)."""
+    return {
+        "x-clawgate-call-id": ",".join(call_ids),
+        "x-clawgate-rollout-id": ",".join(dict.fromkeys(rollout_ids)),
+    }
 
 
 ANTHROPIC_TYPES = {

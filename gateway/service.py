@@ -296,6 +296,7 @@ class ChatService:
             yield ChoiceResult(index, call_id, finish, output, ids, logprobs, tops, trimmer.stopped)
         except APIError as exc:
             error = exc
+            exc.of_calls(prep.call_ids, [prep.rollout_id])
             raise
         except (asyncio.CancelledError, GeneratorExit):
             status = "cancelled"
@@ -303,6 +304,7 @@ class ChatService:
         except Exception as exc:
             log.exception("engine failure on %s", call_id)
             error = EngineError(f"engine failure: {exc}")
+            error.of_calls(prep.call_ids, [prep.rollout_id])
             raise error from exc
         finally:
             self.in_flight -= 1

@@ -56,6 +56,9 @@ def test_error_before_first_token_gets_a_status_code(gateway_factory, tiny_token
     assert err.value.status_code == 502
     [row] = rows(gw, "ro-fail0")
     assert row["status"] == "failed"
+    # The error names the call it ended, as a success would: a client can match it to what was recorded.
+    assert err.value.response.headers["x-clawgate-call-id"] == row["id"]
+    assert err.value.response.headers["x-clawgate-rollout-id"] == "ro-fail0"
 
 
 class UnavailableEngine(ScriptedEngine):
@@ -70,7 +73,9 @@ def test_engine_unavailable_is_503_and_recorded(gateway_factory, tiny_tokenizer)
     with pytest.raises(openai.InternalServerError) as err:
         client.chat.completions.create(model="tiny", messages=MESSAGES)
     assert err.value.status_code == 503
-    assert rows(gw, "ro-down")[0]["status"] == "failed"
+    [row] = rows(gw, "ro-down")
+    assert row["status"] == "failed"
+    assert err.value.response.headers["x-clawgate-call-id"] == row["id"]
 
 
 async def test_client_disconnect_mid_stream_is_recorded_cancelled(gateway_factory, tiny_tokenizer):

@@ -24,6 +24,7 @@ from starlette.types import Send
 from gateway.conversation import Message, ToolSpec
 from gateway.engines.base import SamplingParams
 from gateway.errors import APIError, BadRequest
+from gateway.errors import call_headers as named_calls
 from gateway.job import ChatJob, Prepared, RolloutRef, ToolUse
 from gateway.protocol.base import ModelRequest
 from gateway.service import ChatService
@@ -102,10 +103,7 @@ def sse(data: dict[str, Any], event: str | None = None) -> bytes:
 
 def call_headers(*preps: Prepared) -> dict[str, str]:
     """The calls a response holds and their rollouts, so a client can reward or look them up."""
-    return {
-        "x-clawgate-call-id": ",".join(c for p in preps for c in p.call_ids),
-        "x-clawgate-rollout-id": ",".join(dict.fromkeys(p.rollout_id for p in preps)),
-    }
+    return named_calls([c for p in preps for c in p.call_ids], [p.rollout_id for p in preps])
 
 
 async def json_body(request: Request) -> dict[str, Any]:
