@@ -266,12 +266,12 @@ def complete(gw: Any, rollout: str, prompt: list[int], **extra: Any) -> httpx.Re
     return httpx.post(f"{gw.url}/rollouts/{rollout}/v1/completions", json=body, timeout=120)
 
 
-def wait_for(predicate: Any, what: str, timeout: float = 60.0) -> None:
+def wait_for(predicate: Any, what: str, timeout: float = 60.0, poll: float = 0.1) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+        time.sleep(poll)
 
 
 @pytest.mark.vllm
@@ -351,7 +351,8 @@ def test_a_replica_killed_mid_run_loses_no_call_and_is_taken_back_with_the_curre
             if turn == turns // 2:
                 halfway.wait()
             for _attempt in range(20):  # a harness retries a failed call
-                body = {"model": "tiny", "prompt": prompt, "max_tokens": 48, "seed": turn, "stream": True}
+                # The gateway's cap (64): long enough that the kill finds one running on the victim.
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 64, "seed": turn, "stream": True}
                 url = f"{gw.url}/rollouts/{rollout}/v1/completions"
                 with httpx.stream("POST", url, json=body, timeout=120) as r:
                     call_id = r.headers.get("x-clawgate-call-id")
@@ -368,7 +369,7 @@ def test_a_replica_killed_mid_run_loses_no_call_and_is_taken_back_with_the_curre
         t.start()
     halfway.wait()
     victim = cluster.replicas[0]
-    wait_for(lambda: running_requests(victim.url) > 0, "a generation on the replica to kill")
+    wait_for(lambda: running_requests(victim.url) > 0, "a generation on the replica to kill", poll=0.02)
     assert victim._process is not None
     os.killpg(victim._process.pid, signal.SIGKILL)
     killed_at = dt.datetime.now(dt.UTC)
