@@ -331,6 +331,7 @@ def homes(gw: Any, cluster: Cluster, prompt: list[int], prefix: str, each: int) 
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.postgres
+@pytest.mark.chaos
 def test_a_replica_killed_mid_run_loses_no_call_and_is_taken_back_with_the_current_version(
     postgres_url: str, gateway_factory: Any, cluster: Cluster, tiny_model_dir: Path, tiny_tokenizer: Any
 ) -> None:
