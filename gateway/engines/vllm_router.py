@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import tempfile
 import time
@@ -29,7 +28,7 @@ from typing import IO
 
 import httpx
 
-from gateway.engines.vllm_server import VLLMServerError, free_port
+from gateway.engines.vllm_server import VLLMServerError, free_port, stop_group
 
 
 class VLLMRouter:
@@ -130,15 +129,8 @@ class VLLMRouter:
 
     def stop(self, grace: float = 10.0) -> None:
         process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        if process is not None:
+            stop_group(process, grace)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

@@ -213,16 +213,8 @@ class VLLMServer:
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM the server's process group, then SIGKILL it after ``grace`` seconds."""
         process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
         if process is not None:
+            stop_group(process, grace)
             # Workers left behind by a crashed server would keep the KV cache's memory.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
@@ -250,3 +242,17 @@ class VLLMServer:
         traceback: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def stop_group(process: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM a child's process group (it was started in a new session), then SIGKILL it after ``grace`` s."""
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
