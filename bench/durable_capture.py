@@ -4,7 +4,8 @@ calls share commits (group commit).
 A durable call is submitted to the capture writer and waits for its commit (``wait_committed``), as the gateway
 does before a call's last byte. Sequential calls (one at a time: each waits for a commit of its own) and
 ``--concurrency`` callers at once are timed; the writer's commits (counted by SQLAlchemy's commit event) show how
-many calls shared one. The figure is the added time per call (p50, p95) in milliseconds.
+many calls shared one. The figures are the added time per call (p50, p95) in milliseconds and the process's CPU
+per call (the writer's thread and the event loop, from ``time.process_time``).
 
     .venv/bin/python bench/durable_capture.py [--calls 400] [--concurrency 8] [--postgres postgresql://…]
 """
@@ -68,21 +69,24 @@ async def run(url: str, spool: Path, setting: str, calls: int, concurrency: int)
     for i in range(20):  # warm the pool and the statement caches
         await durable_call(i)
     out: dict[str, tuple[float, ...]] = {}
-    before = commits[0]
+    before, cpu = commits[0], time.process_time()
     sequential = [await durable_call(i) for i in range(calls)]
+    cpu_ms = (time.process_time() - cpu) * 1000 / calls
     used = commits[0] - before
-    out["sequential"] = (statistics.median(sequential), quantile(sequential, 0.95), calls / max(used, 1))
+    out["sequential"] = (statistics.median(sequential), quantile(sequential, 0.95), calls / max(used, 1), cpu_ms)
 
     async def caller(k: int) -> list[float]:
         return [await durable_call(k * calls + i) for i in range(calls // concurrency)]
 
-    before = commits[0]
+    before, cpu = commits[0], time.process_time()
     parallel = [t for ts in await asyncio.gather(*(caller(k) for k in range(concurrency))) for t in ts]
+    cpu_ms = (time.process_time() - cpu) * 1000 / len(parallel)
     used = commits[0] - before
     out[f"{concurrency} at once"] = (
         statistics.median(parallel),
         quantile(parallel, 0.95),
         len(parallel) / max(used, 1),
+        cpu_ms,
     )
     await writer.close()
     engine.dispose()
@@ -107,12 +111,13 @@ def main() -> int:
     url = args.postgres.rsplit("/", 1)[0] + f"/{name}"
     try:
         db.upgrade(url)
-        print(f"{'synchronous_commit':>18} {'calls':>10} {'p50 ms':>8} {'p95 ms':>8} {'calls/commit':>13}")
+        columns = ("calls", 10), ("p50 ms", 8), ("p95 ms", 8), ("calls/commit", 13), ("CPU ms/call", 12)
+        print(f"{'synchronous_commit':>18} " + " ".join(f"{name:>{width}}" for name, width in columns))
         with tempfile.TemporaryDirectory() as tmp:
             for setting in ("on", "off"):
                 figures = asyncio.run(run(url, Path(tmp) / setting, setting, args.calls, args.concurrency))
-                for label, (p50, p95, per_commit) in figures.items():
-                    print(f"{setting:>18} {label:>10} {p50:8.2f} {p95:8.2f} {per_commit:13.1f}")
+                for label, (p50, p95, per_commit, cpu_ms) in figures.items():
+                    print(f"{setting:>18} {label:>10} {p50:8.2f} {p95:8.2f} {per_commit:13.1f} {cpu_ms:12.2f}")
     finally:
         with admin.connect() as conn:
             conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))

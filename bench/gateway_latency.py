@@ -14,8 +14,14 @@ Prints p50/p99 latency (non-streaming), time to first token and total time (stre
 per call against direct, throughput at concurrency 8 relative to direct, each proxy's CPU seconds per request and
 its RSS (from /proc, the process and its children), with the direct baseline beside each figure.
 
+On 2 cores a vLLM CPU server and the proxy in front of it share the cores, so the throughput ratio says mostly how
+much CPU the proxy took from the engine. ``--upstream scripted`` puts a scripted server in vLLM's place whose answers
+take fixed times, as a GPU server's would (``--prefill-ms`` to the first token, ``--gap-ms`` per further token;
+``bench/scripted_vllm.py``): every figure is then the proxy's own.
+
     .venv/bin/python bench/gateway_latency.py [--requests 200] [--database-url URL] [--vllm-python PATH]
                                              [--litellm-python PATH | --no-litellm]
+                                             [--upstream vllm|scripted] [--prefill-ms 20] [--gap-ms 5]
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -36,6 +44,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.scripted_vllm import scripted_vllm  # noqa: E402
 from clawgate.tiny_model import build_tiny_model  # noqa: E402
 from gateway.engines.vllm_server import VLLMServer, find_vllm_python, free_port  # noqa: E402
 from gateway.store import db  # noqa: E402
@@ -248,6 +257,23 @@ def find_litellm(setting: str | None) -> Path | None:
     return command if command.exists() else None
 
 
+@contextmanager
+def upstream(args: argparse.Namespace, python: str | None, model: Path) -> Iterator[str]:
+    """The base URL of what answers: a vLLM CPU server, or the scripted one (``--upstream scripted``)."""
+    if args.upstream == "scripted":
+        port = free_port()
+        with scripted_vllm(port, "tiny", tokens=MAX_TOKENS, prefill_ms=args.prefill_ms, gap_ms=args.gap_ms):
+            yield f"http://127.0.0.1:{port}"
+        return
+    if python is None:
+        raise SystemExit("no vLLM interpreter: run ./dev setup-vllm, pass --vllm-python, or use --upstream scripted")
+    print("starting vLLM ...", file=sys.stderr)
+    server = VLLMServer(python, model, served_model_name="tiny", max_model_len=4096)
+    server.start(timeout=600)  # minutes on a busy machine
+    with server:
+        yield server.url
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=200)
@@ -255,11 +281,16 @@ def main() -> int:
     ap.add_argument("--vllm-python", default=None, help="python of a vLLM install (default .venv-vllm)")
     ap.add_argument("--litellm-python", default=None, help="python of a litellm[proxy] install (.venv-litellm)")
     ap.add_argument("--no-litellm", action="store_true", help="leave LiteLLM's column out")
+    ap.add_argument(
+        "--upstream",
+        choices=("vllm", "scripted"),
+        default="vllm",
+        help="what answers: a vLLM CPU server, or a scripted one whose answers take fixed times (scripted_vllm.py)",
+    )
+    ap.add_argument("--prefill-ms", type=float, default=20.0, help="scripted upstream: time to the first token")
+    ap.add_argument("--gap-ms", type=float, default=5.0, help="scripted upstream: time per further token")
     args = ap.parse_args()
     python = find_vllm_python(args.vllm_python)
-    if python is None:
-        print("no vLLM install found: run ./dev setup-vllm or pass --vllm-python", file=sys.stderr)
-        return 2
     litellm = None if args.no_litellm else find_litellm(args.litellm_python)
     if litellm is None and not args.no_litellm:
         print("no LiteLLM proxy found (.venv-litellm or --litellm-python): its column is left out", file=sys.stderr)
@@ -272,15 +303,12 @@ def main() -> int:
         tok = AutoTokenizer.from_pretrained(model)
         prompt = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
         prompt_ids = tok.encode(prompt, add_special_tokens=False)
-        print("starting vLLM ...", file=sys.stderr)
-        server = VLLMServer(python, model, served_model_name="tiny", max_model_len=4096)
-        server.start(timeout=600)  # minutes on a busy machine
-        with server:
+        with upstream(args, python, model) as upstream_url:
             port = free_port()
             env = {
                 **os.environ,
                 "CLAWGATE_ENGINE": "vllm",
-                "CLAWGATE_VLLM_URL": server.url,
+                "CLAWGATE_VLLM_URL": upstream_url,
                 "CLAWGATE_VLLM_MODEL": "tiny",
                 "CLAWGATE_MODEL": str(model),
                 "CLAWGATE_SERVED_MODEL_NAME": "tiny",
@@ -293,14 +321,14 @@ def main() -> int:
             try:
                 gw = subprocess.Popen([sys.executable, "-m", "clawgate.cli", "serve"], env=env, cwd=ROOT)
                 procs.append(gw)
-                targets = [Target("vLLM direct", server.url, None, prompt_ids)]
+                targets = [Target("vLLM direct", upstream_url, None, prompt_ids)]
                 gw_url = f"http://127.0.0.1:{port}"
                 wait_healthy(gw_url + "/health", gw, "gateway")
                 targets.append(Target("clawgate", gw_url, gw.pid))
                 if litellm is not None:
                     config = Path(tmp) / "litellm.yaml"
                     key = f"sk-{secrets.token_hex(24)}"
-                    config.write_text(LITELLM_CONFIG.format(api_base=server.url, master_key=key))
+                    config.write_text(LITELLM_CONFIG.format(api_base=upstream_url, master_key=key))
                     lport = free_port()
                     lenv = {**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"}
                     lp = subprocess.Popen(

@@ -63,6 +63,8 @@ def make_engine(settings: Settings, tokenizer: Any) -> Engine:
     if settings.engine == "local":
         from gateway.engines.local import LocalEngine
 
+        if settings.vllm_stream_interval > 1:
+            log.warning("CLAWGATE_VLLM_STREAM_INTERVAL applies to --engine vllm: the local engine streams every token")
         return LocalEngine(settings.model, dtype=settings.local_dtype)
     from gateway.engines.vllm import VLLMEngine
 
@@ -73,6 +75,7 @@ def make_engine(settings: Settings, tokenizer: Any) -> Engine:
         timeout=settings.vllm_timeout,
         eos_token_ids=sorted(end_ids),
         replicas=settings.vllm_replicas,
+        stream_interval=settings.vllm_stream_interval,
     )
 
 

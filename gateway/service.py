@@ -58,6 +58,25 @@ DURABLE_WAIT_S = 5.0
 # Up to this many tokens are decoded for logprobs on the event loop: a thread hop costs more than a stream
 # chunk's few tokens, and a whole answer's many are decoded in a worker thread.
 INLINE_DECODE_TOKENS = 32
+# A conversation without an assistant turn (nothing to splice, nothing to look up in the database) and without tools,
+# whose messages hold at most this many characters, is rendered on the event loop: measured here, the render and
+# tokenization of a 100-character conversation take ~0.15 ms and a hop to a worker thread ~0.08 ms of CPU on its own.
+INLINE_RENDER_CHARS = 2048
+
+
+def _cheap_to_plan(job: ChatJob) -> bool:
+    """Whether planning ``job`` costs less than a hop to a worker thread and can touch no database: a token-level
+    prompt, or a short conversation without tools and without an assistant turn."""
+    if job.prompt_ids is not None:
+        return True
+    if job.tools:
+        return False
+    size = 0
+    for m in job.messages:
+        if m.role == "assistant":
+            return False
+        size += len(m.content or "")
+    return size <= INLINE_RENDER_CHARS
 
 
 class ChatService:
@@ -133,8 +152,11 @@ class ChatService:
         t0 = time.perf_counter()
         started_at = datetime.now(UTC)
         scope = job.rollout.id
-        # Rendering and tokenizing are CPU work: keep them off the event loop.
-        plan, exact, join = await asyncio.to_thread(self._plan, job, scope)
+        # Rendering and tokenizing are CPU work: off the event loop, but for the smallest (see INLINE_RENDER_CHARS).
+        if _cheap_to_plan(job):
+            plan, exact, join = self._plan(job, scope)
+        else:
+            plan, exact, join = await asyncio.to_thread(self._plan, job, scope)
         render_s = time.perf_counter() - t0
         self.metrics.render_mode.labels(plan.mode).inc()
         if plan.mode == "drifted":

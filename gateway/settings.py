@@ -49,6 +49,10 @@ class Settings(BaseSettings):
     # Several vLLM replicas behind a router (`vllm_url` then points at the router): their own base URLs, to which
     # the gateway sends what must reach every replica (adapter loads and unloads, aborts). Empty: one server.
     vllm_replicas: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # vLLM streams the first token at once, then every `vllm_stream_interval` tokens (its `stream_interval`): each
+    # streamed chunk costs the gateway a read and a socket write however few tokens it holds, so a larger interval
+    # divides the per-token CPU of streamed answers (and vLLM's own) at the price of chunkier streams. 1: every token.
+    vllm_stream_interval: int = Field(default=1, ge=1)
     local_dtype: Literal["float32", "bfloat16"] = "float32"
     # Tool-call/reasoning parser family for the model's output.
     parser: str = "hermes"
@@ -92,6 +96,9 @@ class Settings(BaseSettings):
     # Temperature the rollouts were sampled at (engines report logprobs of the processed distribution).
     train_temperature: float = Field(default=1.0, gt=0)
     train_device: str = "auto"
+    # torch's CPU threads in the trainer (default: torch's own, one per core). On a machine whose cores the trainer
+    # shares with a CPU vLLM, fewer threads than cores keep its parallel regions from waiting on a preempted thread.
+    train_threads: int | None = Field(default=None, ge=1)
     train_dtype: Literal["float32", "bfloat16"] = "float32"
     train_gradient_checkpointing: bool = False
     train_lora_rank: int = Field(default=8, ge=1)

@@ -1,6 +1,7 @@
 """Postgres durable capture with ``synchronous_commit`` (CLAWGATE_CAPTURE_SYNCHRONOUS_COMMIT): the setting is the
-one the capture transaction runs with (observed from inside it, by a trigger on the calls table), it stays local
-to that transaction, and with ``off`` a call served just before a SIGKILL of the gateway is still in Postgres."""
+one the capture transaction runs with (observed from inside it, by a trigger on the calls table), it stays on the
+writer's own connection, and with ``off`` a call served just before a SIGKILL of the gateway is still in
+Postgres."""
 
 from __future__ import annotations
 
@@ -50,7 +51,36 @@ async def test_the_capture_transaction_runs_with_the_setting(postgres_url: str, 
         after = conn.execute(sa.text("SHOW synchronous_commit")).scalar()
     engine.dispose()
     assert [tuple(row) for row in seen] == [("c1", setting)]
-    assert after == "local"  # SET LOCAL: the pooled connection goes back with the database's own setting
+    assert after == "local"  # the pool's connections keep the database's own setting
+
+
+async def test_a_connection_closed_while_idle_is_replaced_without_a_fault(postgres_url: str, tmp_path: Path) -> None:
+    engine = db.connect(postgres_url)
+    writer = CallWriter(engine, tmp_path / "spool")
+    await writer.start()
+    try:
+        writer.submit(make_call("c1", "r1"))
+        assert await writer.wait_committed(5.0)
+        with engine.connect() as conn:  # the server ends the writer's session (as a restart or an idle timeout would)
+            ended = (
+                conn.execute(
+                    sa.text(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                    )
+                )
+                .scalars()
+                .all()
+            )
+        assert ended and all(ended)
+        writer.submit(make_call("c2", "r1"))
+        assert await writer.wait_committed(5.0)
+        assert writer.stats.retries == 0 and not writer.degraded
+    finally:
+        await writer.close()
+    with engine.connect() as conn:
+        assert sorted(conn.execute(sa.text("SELECT id FROM calls")).scalars()) == ["c1", "c2"]
+    engine.dispose()
 
 
 async def test_sqlite_ignores_the_setting(sqlite_url: str, tmp_path: Path) -> None:

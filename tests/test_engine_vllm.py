@@ -6,7 +6,8 @@ the trainer uses, so they must be the processed ones (after temperature, top-k, 
 
 The vLLM interpreter comes from ``CLAWGATE_TEST_VLLM_PYTHON`` or ``./.venv-vllm/bin/python``; the tests that
 need the server are skipped only when neither exists. Protocol edge cases a real server cannot be made to
-produce on demand (429, 5xx, timeouts, a stream cut short) run against a scripted ``httpx.MockTransport``.
+produce on demand (429, 5xx, timeouts, a stream cut short) run against a scripted server
+(``tests/scripted_http.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import re
 import sys
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,7 @@ from gateway.errors import (  # noqa: E402
     RateLimited,
 )
 from tests.conftest import VLLM_MAX_MODEL_LEN  # noqa: E402
+from tests.scripted_http import scripted_server  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -218,7 +221,8 @@ async def test_streamed_ids_and_processed_logprobs_match_transformers(
     assert result.end is not None
     assert len(result.ids) == 24 and result.end.finish_reason == "length" and result.end.stop_reason is None
     assert result.end.prompt_tokens == len(prompt)
-    assert len(result.deltas) > 1, "the completion arrived in one chunk: not streamed"
+    # Whether tokens are passed on as they arrive is checked deterministically against a scripted server
+    # (test_each_delta_is_passed_on_before_the_stream_goes_on): here a loaded machine may deliver all 24 at once.
     expected = sampled(
         processed_logprobs(reference, prompt, result.ids, temperature=temperature, top_k=top_k, top_p=top_p),
         result.ids,
@@ -249,6 +253,24 @@ async def test_seeds_reproduce_alone_and_batched(engine: VLLMEngine, prompt: lis
     assert all(max_diff(r.logprobs, first.logprobs) < 1e-5 for r in batched)
     other = await run(engine, prompt, max_tokens=32, seed=12)
     assert other.ids != first.ids
+
+
+async def test_a_stream_interval_sends_the_same_tokens_in_fewer_chunks(
+    engine: VLLMEngine, server: VLLMServer, eos_ids: list[int], prompt: list[int]
+) -> None:
+    every = await run(engine, prompt, max_tokens=24, seed=5)
+    chunky = VLLMEngine(server.url, model=SERVED, eos_token_ids=eos_ids, stream_interval=8)
+    await chunky.start()
+    try:
+        grouped = await run(chunky, prompt, max_tokens=24, seed=5)
+    finally:
+        await chunky.close()
+    assert len(every.ids) == 24 and grouped.ids == every.ids and max_diff(grouped.logprobs, every.logprobs) < 1e-5
+    # The first token at once, then 8 at a time: 1 + 8 + 8 + 7. Chunks that arrive together (a loaded machine)
+    # become one delta, so deltas only grow: none between the first and the last is under 8 tokens, which
+    # one-token chunks (the interval not honoured) would break.
+    sizes = [len(d.token_ids) for d in grouped.deltas]
+    assert len(sizes) <= 4 and all(size >= 8 for size in sizes[1:-1]), sizes
 
 
 async def test_eos_is_returned_with_its_logprob(
@@ -496,17 +518,67 @@ async def test_server_down_is_unavailable(prompt: list[int]) -> None:
         await down.close()
 
 
-# ---- protocol edge cases against a scripted server (httpx.MockTransport) --------------------------------------
+# ---- protocol edge cases against a scripted server (tests/scripted_http.py) ----------------------------------
 
 
 def sse(*events: dict[str, Any]) -> bytes:
     return b"".join(f"data: {json.dumps(event)}\n\n".encode() for event in events) + b"data: [DONE]\n\n"
 
 
-def scripted(handler: Any) -> tuple[VLLMEngine, httpx.AsyncClient]:
-    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    eng = VLLMEngine("http://vllm", model="base", client=client, max_model_len=64, eos_token_ids=[9])
-    return eng, client
+@asynccontextmanager
+async def scripted(handler: Any) -> AsyncIterator[VLLMEngine]:
+    """An engine on a scripted server (``tests/scripted_http.py``), started; it gives up a stalled read at 0.5 s."""
+    async with scripted_server(handler) as url:
+        eng = VLLMEngine(url, model="base", max_model_len=64, eos_token_ids=[9], timeout=0.5)
+        await eng.start()
+        try:
+            yield eng
+        finally:
+            await eng.close()
+
+
+async def test_each_delta_is_passed_on_before_the_stream_goes_on() -> None:
+    """The server holds the rest of the stream until the test has the first tokens: an engine that waited for
+    more (or for the end) before yielding would never get them, and the test would time out."""
+    from aiohttp import web
+
+    seen_first = asyncio.Event()
+
+    def event(ids: list[int], finish: str | None = None) -> bytes:
+        logprobs = {"token_logprobs": [-1.0] * len(ids)}
+        choice = {"index": 0, "text": "", "token_ids": ids, "finish_reason": finish, "logprobs": logprobs}
+        return f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(event([3]))
+        await asyncio.wait_for(seen_first.wait(), timeout=10)
+        await response.write(event([4, 5]) + event([9], "stop") + b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    eng = VLLMEngine(f"http://127.0.0.1:{runner.addresses[0][1]}", model="base", max_model_len=64, eos_token_ids=[9])
+    await eng.start()
+    deltas: list[list[int]] = []
+    try:
+        request = GenerationRequest(request_id="t", prompt_ids=[1, 2], params=SamplingParams(max_tokens=8))
+        async with asyncio.timeout(20):
+            async for item in eng.generate(request):
+                if isinstance(item, TokenDelta):
+                    deltas.append(item.token_ids)
+                    seen_first.set()
+    finally:
+        await eng.close()
+        await runner.cleanup()
+    assert deltas[0] == [3] and [t for d in deltas for t in d] == [3, 4, 5, 9]
 
 
 async def test_request_fields_and_stream_parsing() -> None:
@@ -550,8 +622,6 @@ async def test_request_fields_and_stream_parsing() -> None:
         }
         return httpx.Response(200, content=sse(first, last, usage))
 
-    eng, client = scripted(handler)
-    await eng.start()
     params = {
         "max_tokens": 100,
         "temperature": 0.5,
@@ -561,8 +631,8 @@ async def test_request_fields_and_stream_parsing() -> None:
         "stop_token_ids": (7, 9),
         "top_logprobs": 2,
     }
-    result = await run(eng, [1, 2, 3], adapter="policy@v1", **params)
-    await client.aclose()
+    async with scripted(handler) as eng:
+        result = await run(eng, [1, 2, 3], adapter="policy@v1", **params)
 
     assert seen["model"] == "policy@v1" and seen["prompt"] == [1, 2, 3]
     assert seen["max_tokens"] == 61  # clamped to the context window
@@ -594,11 +664,9 @@ async def test_request_fields_and_stream_parsing() -> None:
 )
 async def test_http_errors_map_to_gateway_errors(status: int, message: str, error: type[APIError]) -> None:
     body = {"error": {"message": message, "type": "x", "param": None, "code": status}}
-    eng, client = scripted(lambda request: httpx.Response(status, json=body))
-    await eng.start()
-    with pytest.raises(error) as info:
-        await run(eng, [1, 2])
-    await client.aclose()
+    async with scripted(lambda request: httpx.Response(status, json=body)) as eng:
+        with pytest.raises(error) as info:
+            await run(eng, [1, 2])
     assert type(info.value) is error and message in info.value.message
 
 
@@ -619,11 +687,9 @@ async def test_http_errors_map_to_gateway_errors(status: int, message: str, erro
     ],
 )
 async def test_stream_failures(respond: Any, error: type[APIError]) -> None:
-    eng, client = scripted(respond)
-    await eng.start()
-    with pytest.raises(error) as info:
-        await run(eng, [1, 2])
-    await client.aclose()
+    async with scripted(respond) as eng:
+        with pytest.raises(error) as info:
+            await run(eng, [1, 2])
     assert type(info.value) is error
 
 
@@ -640,15 +706,13 @@ async def test_an_early_close_is_aborted_by_the_request_id_vllm_was_given(abort_
         chunk = {"choices": [{"index": 0, "text": "", "token_ids": [3], "logprobs": {"token_logprobs": [-0.5]}}]}
         return httpx.Response(200, content=sse(chunk, chunk, chunk))
 
-    eng, client = scripted(handler)
-    await eng.start()
-    for _ in range(2):
-        stream = eng.generate(GenerationRequest("call-1", [1, 2], SamplingParams(max_tokens=8)))
-        assert isinstance(await anext(stream), TokenDelta)
-        await stream.aclose()
-        await asyncio.sleep(0)  # the abort runs in the background: closing does not wait for it
-    await eng.close()  # waits for pending aborts
-    await client.aclose()
+    async with scripted(handler) as eng:
+        for _ in range(2):
+            stream = eng.generate(GenerationRequest("call-1", [1, 2], SamplingParams(max_tokens=8)))
+            assert isinstance(await anext(stream), TokenDelta)
+            await stream.aclose()
+            await asyncio.sleep(0)  # the abort runs in the background: closing does not wait for it
+        await eng.close()  # waits for pending aborts
 
     # Unique per generation, prefixed by the gateway's id; vLLM calls the request cmpl-<id>-0.
     assert len(set(sent_ids)) == 2 and all(i.startswith("call-1-") for i in sent_ids)
@@ -672,13 +736,11 @@ async def test_a_finished_or_refused_generation_is_not_aborted() -> None:
         }
         return httpx.Response(200, content=sse(done))
 
-    eng, client = scripted(handler)
-    await eng.start()
-    await run(eng, [1, 2])
-    with pytest.raises(BadRequest):
-        await run_request(eng, GenerationRequest("bad-1", [1, 2], SamplingParams(max_tokens=8)))
-    await eng.close()
-    await client.aclose()
+    async with scripted(handler) as eng:
+        await run(eng, [1, 2])
+        with pytest.raises(BadRequest):
+            await run_request(eng, GenerationRequest("bad-1", [1, 2], SamplingParams(max_tokens=8)))
+        await eng.close()
     assert paths == ["/v1/completions", "/v1/completions"] and eng.abort_supported is None
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from clawgate.up import trainer_threads_beside_vllm
 from tests.online import TargetTokenTask, UpProcess, wait_healthy
 
 ADMIN = "online-admin"
@@ -34,7 +35,8 @@ def run_online(
     extra_env: dict[str, str],
     start_timeout: float,
     learn_timeout: float = 480,
-) -> None:
+) -> str:
+    """Runs the scenario; returns what `clawgate up` (and its children) printed."""
     port = free_port()
     prompts, group = 8, 8
     env = {
@@ -90,6 +92,7 @@ def run_online(
     assert code == 0, "`clawgate up` shuts down cleanly on SIGTERM"
     with pytest.raises(ProcessLookupError):  # its process group is empty: the trainer child stopped with it
         os.killpg(up.proc.pid, 0)
+    return "\n".join(up.lines)
 
 
 @pytest.mark.slow
@@ -101,6 +104,9 @@ def test_online_learning_with_the_local_engine(tmp_path, tiny_model_dir, tiny_to
 @pytest.mark.vllm
 def test_online_learning_with_a_managed_vllm_server(tmp_path, tiny_model_dir, tiny_tokenizer, vllm_python):
     env = {"CLAWGATE_ENGINE": "vllm", "CLAWGATE_VLLM_PYTHON": vllm_python}
-    # vLLM's CPU build busy-polls both cores, so each train step takes 6-45 s here instead of 1-3 s; measured: 9 to
-    # more than 13 versions (260 s to over 480 s) to reach +0.3. The run ends as soon as it has learned.
-    run_online(tmp_path, tiny_model_dir, tiny_tokenizer, env, start_timeout=400, learn_timeout=900)
+    # vLLM's CPU build shares the 2 cores with the trainer (its OpenMP threads wait passively: VLLMServer; the
+    # trainer gets half the cores from `clawgate up`: a step took 20 s with 2 threads, 4 s with 1); measured: 10
+    # versions in 97 s to reach +0.3. The run ends as soon as it has learned.
+    output = run_online(tmp_path, tiny_model_dir, tiny_tokenizer, env, start_timeout=400, learn_timeout=900)
+    threads = trainer_threads_beside_vllm()
+    assert f"training with {threads} CPU thread(s)" in output, "the trainer was given half the cores"

@@ -37,6 +37,7 @@ TRAIN_FLAGS = (
     "train_group_wait",
     "train_temperature",
     "train_device",
+    "train_threads",
     "train_dtype",
     "train_gradient_checkpointing",
     "train_lora_rank",
@@ -75,6 +76,9 @@ def train_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--temperature", dest="train_temperature", type=float, help="temperature rollouts were sampled at")
     g.add_argument("--device", dest="train_device", help="auto, cpu, cuda, cuda:1 ... (CLAWGATE_TRAIN_DEVICE)")
+    g.add_argument(
+        "--threads", dest="train_threads", type=int, help="torch CPU threads (CLAWGATE_TRAIN_THREADS, default: all)"
+    )
     g.add_argument("--dtype", dest="train_dtype", choices=["float32", "bfloat16"], help="(CLAWGATE_TRAIN_DTYPE)")
     g.add_argument(
         "--gradient-checkpointing",
@@ -158,6 +162,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     settings = from_flags(args, TRAIN_SETTINGS)
     setup_logging(settings.log_level)
+    if settings.train_threads is not None:
+        import torch
+
+        torch.set_num_threads(settings.train_threads)
+        print(f"training with {settings.train_threads} CPU thread(s)", file=sys.stderr, flush=True)
     config = train_config(settings, once=args.once)
     if args.once and args.train_min_rollouts is not None:
         config.min_rollouts = args.train_min_rollouts

@@ -166,6 +166,11 @@ class VLLMServer:
                 "VLLM_LORA_RESOLVER_CACHE_DIR": str(self.lora_resolver_dir),
             }
         return {
+            # The CPU build's OpenMP threads spin while they wait for work by default, taking the cores from
+            # whatever shares the host (the gateway, the trainer under `clawgate up`, other replicas): measured
+            # here, the online-learning run through a managed vLLM took 397 s spinning and 155 s passive (the
+            # trainer's steps got their core back). A GPU server does not notice; the environment can override it.
+            "OMP_WAIT_POLICY": "PASSIVE",
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_space_gib),
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",

@@ -29,7 +29,8 @@ Behaviour of vLLM 0.32 this relies on, checked against a running server:
 
 Errors map onto ``gateway.errors``: a 400 about the context length → ``ContextTooLong``, other 400/422 →
 ``BadRequest``, 404 → ``NotFound``, 429 → ``RateLimited``, 503 → ``EngineUnavailable``, other statuses →
-``EngineError``; connection failures → ``EngineUnavailable``, timeouts → ``EngineTimeout``. An error event
+``EngineError``; connection failures (refused, cut, a connect that hangs) → ``EngineUnavailable``, a read that
+stalls → ``EngineTimeout``. An error event
 inside the stream carries the status vLLM would have answered with (some inputs are validated only after the
 stream began) and maps the same way when it is a 4xx; anything else there → ``EngineError``.
 """
@@ -38,9 +39,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
+import aiohttp
+import orjson
 
-from gateway.engines.base import FinishReason, GenerationRequest, TokenDelta
+from gateway.engines.base import FinishReason, GenerationEnd, GenerationRequest, TokenDelta
 from gateway.errors import (
     APIError,
     BadRequest,
@@ -115,6 +117,88 @@ def completion_body(
     return body
 
 
+def take_events(pending: bytearray) -> list[dict[str, Any]]:
+    """The stream events whose lines are complete in ``pending`` (removed from it), ``[DONE]`` left out.
+
+    Lines are split here rather than with aiohttp's ``readline``, which refuses a line longer than its buffer
+    (one event can carry many tokens with their top logprobs).
+    """
+    end = pending.rfind(b"\n")
+    if end < 0:
+        return []
+    lines = pending[:end].split(b"\n")
+    del pending[: end + 1]
+    events = []
+    for line in lines:
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            continue
+        try:
+            events.append(orjson.loads(payload))
+        except orjson.JSONDecodeError as exc:
+            raise EngineError(f"vLLM sent an unreadable stream event: {bytes(payload[:200])!r}") from exc
+    return events
+
+
+class StreamReader:
+    """What a streamed completion said so far: ``feed`` it the bytes as they arrive, ``end`` once the body ended."""
+
+    def __init__(self, top_logprobs: int, prompt_tokens: int) -> None:
+        self.top_logprobs = top_logprobs
+        self.prompt_tokens = prompt_tokens
+        self.finish: FinishReason | None = None
+        self.stop_reason: str | int | None = None
+        self.timings: dict[str, float] = {}
+        self.last_token: int | None = None
+        self._pending = bytearray()
+
+    def feed(self, piece: bytes) -> tuple[TokenDelta | None, APIError | None]:
+        """The tokens of the events completed by ``piece``, as one delta, and the error an event carried.
+
+        Events that arrived together become one delta: when the gateway falls behind, it catches up with one
+        stream chunk and one socket write for all of them. Tokens sent before an error event come with it.
+        """
+        self._pending += piece
+        arrived: TokenDelta | None = None
+        for chunk in take_events(self._pending):
+            if "error" in chunk:
+                return arrived, stream_error(chunk)
+            for choice in chunk.get("choices") or ():
+                delta = token_delta(choice, self.top_logprobs)
+                if delta is not None:
+                    arrived = delta if arrived is None else _join(arrived, delta)
+                    self.last_token = delta.token_ids[-1]
+                if choice.get("finish_reason") is not None:
+                    self.finish = FINISH_REASONS.get(choice["finish_reason"], "stop")
+                    self.stop_reason = choice.get("stop_reason")
+            usage = chunk.get("usage")
+            if usage:
+                self.prompt_tokens = int(usage.get("prompt_tokens", self.prompt_tokens))
+                self.timings = timings(chunk.get("metrics"))
+        return arrived, None
+
+    def end(self) -> GenerationEnd:
+        """The generation's end, once the body ended (an error if vLLM never said how it finished)."""
+        if self.finish is None:
+            raise EngineError("vLLM ended the stream without a finish reason")
+        stop_reason = self.stop_reason
+        if self.finish == "stop" and stop_reason is None:
+            # The primary EOS id: vLLM reports no stop_reason for it, but it is the last id it sent.
+            stop_reason = self.last_token
+        return GenerationEnd(self.finish, stop_reason, self.prompt_tokens, self.timings)
+
+
+def _join(first: TokenDelta, then: TokenDelta) -> TokenDelta:
+    """Two consecutive deltas as one (``first`` is extended in place)."""
+    first.token_ids += then.token_ids
+    first.logprobs += then.logprobs
+    if first.top_logprobs is not None and then.top_logprobs is not None:
+        first.top_logprobs += then.top_logprobs
+    return first
+
+
 def token_delta(choice: dict[str, Any], top_logprobs: int) -> TokenDelta | None:
     token_ids = [int(t) for t in choice.get("token_ids") or ()]
     if not token_ids:
@@ -158,18 +242,19 @@ def _error_message(payload: Any) -> str:
     return str(payload)
 
 
-def error_from_response(response: httpx.Response) -> APIError:
+def error_from_response(status: int, body: bytes, path: str) -> APIError:
+    """The gateway's error for vLLM's answer ``status`` with ``body`` to a request for ``path``."""
+    payload: Any
     try:
-        payload: Any = response.json()
-    except ValueError:
-        payload = response.text
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        payload = body.decode(errors="replace")
     message = _error_message(payload)
-    if response.status_code == 404 and message == "Not Found":
+    if status == 404 and message == "Not Found":
         message = (
-            f"vLLM has no route {response.request.url.path} (runtime LoRA loading needs "
-            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True on the server)"
+            f"vLLM has no route {path} (runtime LoRA loading needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True on the server)"
         )
-    return _error_for(response.status_code, message, payload)
+    return _error_for(status, message, payload)
 
 
 def stream_error(chunk: dict[str, Any]) -> APIError:
@@ -200,10 +285,11 @@ def _error_for(status: int, message: str, payload: Any) -> APIError:
     return EngineError(f"vLLM answered {status}: {message}")
 
 
-def transport_error(base_url: str, exc: httpx.TransportError) -> APIError:
+def transport_error(base_url: str, exc: aiohttp.ClientError | TimeoutError, path: str | None = None) -> APIError:
     """A failed connection or read: a refused or hanging connect is an unavailable engine, a stall a timeout."""
-    if isinstance(exc, httpx.ConnectTimeout):
+    on = f" on {path}" if path else ""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return EngineUnavailable(f"vLLM at {base_url} did not accept a connection")
-    if isinstance(exc, httpx.TimeoutException):
-        return EngineTimeout(f"vLLM at {base_url} timed out: {type(exc).__name__}")
-    return EngineUnavailable(f"vLLM at {base_url} is unreachable: {exc!r}")
+    if isinstance(exc, TimeoutError):  # a read that waited longer than the timeout (aiohttp's are TimeoutErrors)
+        return EngineTimeout(f"vLLM at {base_url} timed out{on}: {type(exc).__name__}")
+    return EngineUnavailable(f"vLLM at {base_url} is unreachable{on}: {exc!r}")

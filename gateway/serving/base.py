@@ -10,16 +10,17 @@ iterators are closed in a ``finally`` whatever the client does, so the service r
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Generic, Protocol, TypeVar
 
+import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 
 from gateway.conversation import Message, ToolSpec
 from gateway.engines.base import SamplingParams
@@ -95,10 +96,10 @@ def flatten_text(parts: Iterable[Part], where: str, *, text_types: frozenset[str
 # --- wire helpers --------------------------------------------------------------------------------------------
 def sse(data: dict[str, Any], event: str | None = None) -> bytes:
     """One Server-Sent Event: ``data:`` compact JSON, behind an ``event:`` line for typed streams."""
-    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    payload = orjson.dumps(data)
     if event is None:
-        return b"data: " + payload.encode() + b"\n\n"
-    return f"event: {event}\ndata: {payload}\n\n".encode()
+        return b"data: " + payload + b"\n\n"
+    return b"event: " + event.encode() + b"\ndata: " + payload + b"\n\n"
 
 
 def call_headers(*preps: Prepared) -> dict[str, str]:
@@ -109,8 +110,8 @@ def call_headers(*preps: Prepared) -> dict[str, str]:
 async def json_body(request: Request) -> dict[str, Any]:
     body = await request.body()
     try:
-        value = json.loads(body)
-    except ValueError as exc:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(value, dict):
         raise BadRequest("request body must be a JSON object")
@@ -175,6 +176,37 @@ async def guarded(encoder: StreamEncoder, events: AsyncIterator[Event], api: str
 
 class EventStreamResponse(StreamingResponse):
     """A stream whose ``Last`` chunk carries the end of the response too: one write (chunk and terminator)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Stream, and stop at once when the client goes away (the calls are then recorded as cancelled).
+
+        Starlette does this with an anyio task group around the body and a disconnect listener; measured here, that
+        costs ~0.1 ms of CPU per response, and one plain task that cancels this one on a disconnect about 0.015.
+        """
+        this = asyncio.current_task()
+        assert this is not None  # an ASGI server runs each request in a task
+        gone = False
+
+        async def listen() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            this.cancel()
+
+        # The listener runs only while this task waits; after the last send it is cancelled before it can run, so
+        # the disconnect that the server reports once the response is complete never reaches this task.
+        listener = asyncio.create_task(listen())
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            this.uncancel()
+        finally:
+            listener.cancel()
+        if self.background is not None:
+            await self.background()
 
     async def stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})

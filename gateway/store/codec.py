@@ -8,13 +8,13 @@ parent call, so a long conversation stores each message once.
 
 from __future__ import annotations
 
-import json
 import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import orjson
 
 IDS_DTYPE = np.dtype("<u4")
 LOGPROBS_DTYPE = np.dtype("<f4")
@@ -70,12 +70,11 @@ def unpack_logprobs(data: bytes) -> list[float]:
 
 
 def pack_request(request: dict[str, Any]) -> bytes:
-    text = json.dumps(request, separators=(",", ":"), ensure_ascii=False)
-    return zlib.compress(text.encode("utf-8"))
+    return zlib.compress(orjson.dumps(request))
 
 
 def unpack_request(data: bytes) -> dict[str, Any]:
-    value = json.loads(zlib.decompress(data).decode("utf-8"))
+    value = orjson.loads(zlib.decompress(data))
     if not isinstance(value, dict):
         raise ValueError("stored request is not a JSON object")
     return value

@@ -20,9 +20,11 @@ What can go wrong, and what happens:
   ``<spool_dir>/pending-<timestamp>.jsonl``; the next ``start()`` replays those files before anything else and
   deletes each only once its rows are committed.
 
-Concurrent calls share a commit (group commit: what was queued while one commit ran goes in the next). On
-Postgres the capture transaction runs with ``synchronous_commit`` as configured (``off`` by default, see
-Settings.capture_synchronous_commit): a durable call then waits for its commit to reach Postgres, not the disk.
+Concurrent calls share a commit (group commit: what was queued while one commit ran goes in the next). The
+writer holds one connection of its own (no pool checkout, no pre-ping per commit), and a batch is prepared and
+committed in one hop to its thread. On Postgres that connection runs with ``synchronous_commit`` as configured
+(``off`` by default, see Settings.capture_synchronous_commit): a durable call then waits for its commit to reach
+Postgres, not the disk.
 
 Calls and rollouts are idempotent (insert-or-ignore by id, upsert), so a replay of rows whose commit was in
 doubt writes them once. Rewards have no natural key and could be written twice in that (rare) case. One spool
@@ -101,12 +103,13 @@ class CallWriter:
             raise ValueError("synchronous_commit must be 'on' or 'off'")
         self._engine = engine
         self._statements = Statements(engine.dialect.name)
-        # Postgres only, for the capture transaction only (SET LOCAL): other work on the pool keeps its default.
-        self._set_synchronous_commit = (
-            sa.text(f"SET LOCAL synchronous_commit = {synchronous_commit}")
-            if engine.dialect.name == "postgresql"
-            else None
+        # Postgres only: set once on the writer's own connection (see _connect), so no other work on the pool
+        # runs with it.
+        self._session_setup = (
+            f"SET synchronous_commit = {synchronous_commit}" if engine.dialect.name == "postgresql" else None
         )
+        # The writer's own connection, used only on its thread (see _connect).
+        self._connection: sa.Connection | None = None
         self._spool_dir = Path(spool_dir)
         self._max_queue = max_queue
         self._batch_size = batch_size
@@ -299,6 +302,8 @@ class CallWriter:
             if not waiting.done():
                 waiting.set_result(durable)
         self._durable_waiters.clear()
+        # On the writer thread, after a commit still running there (if any): the connection is that thread's.
+        self._executor.submit(self._disconnect)
         self._executor.shutdown(wait=False)
 
     def _on_task_done(self, task: asyncio.Task[None]) -> None:
@@ -338,11 +343,12 @@ class CallWriter:
 
     async def _write(self, batch: list[Record]) -> _Outcome:
         loop = asyncio.get_running_loop()
-        prepared = await loop.run_in_executor(self._executor, prepare, batch)
+        prepared: list[Prepared] = []  # filled on the first try, reused by the retries
         delay = self._initial_backoff
         while True:
             try:
-                outcome = await loop.run_in_executor(self._executor, self._commit, prepared, len(batch))
+                # One hop to the writer thread per try: the rows are prepared there on the first.
+                outcome = await loop.run_in_executor(self._executor, self._prepare_and_commit, batch, prepared)
             except Exception as error:
                 if not is_transient(error):
                     # _commit settles row errors itself, so this is unexpected; keep the rows and keep going.
@@ -374,20 +380,72 @@ class CallWriter:
 
     # -- on the worker thread --------------------------------------------------------------------------------
 
+    def _prepare_and_commit(self, batch: list[Record], prepared: list[Prepared]) -> _Outcome:
+        if not prepared:
+            prepared.append(prepare(batch))
+        return self._commit(prepared[0], len(batch))
+
+    def _connect(self) -> sa.Connection:
+        """The writer's own connection, opened on first use and after a failure.
+
+        Held across batches and taken out of the pool (``detach``: closing it closes it): a commit then pays for no
+        pool checkout and no pre-ping round trip, and the session setting applies to this connection only (behind
+        a pooler in transaction mode, set ``synchronous_commit`` on the database role instead). A connection that
+        failed is dropped (``_disconnect``) and the retry opens a new one.
+        """
+        connection = self._connection
+        if connection is not None and not connection.closed and not connection.invalidated:
+            return connection
+        self._disconnect()
+        connection = self._engine.connect()
+        try:
+            connection.detach()
+            if self._session_setup is not None:
+                connection.exec_driver_sql(self._session_setup)
+                connection.commit()
+        except BaseException:
+            connection.close()
+            raise
+        self._connection = connection
+        return connection
+
+    def _disconnect(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                connection.close()
+
+    def _commit_batch(self, prepared: Prepared) -> None:
+        reused = self._connection is not None
+        try:
+            self._write_once(prepared)
+        except sa.exc.DBAPIError as error:
+            if not (reused and error.connection_invalidated):
+                raise
+            # The held connection was closed while it was idle (a database restart, an idle timeout): once more on a
+            # fresh one before this counts as a fault.
+            self._disconnect()
+            self._write_once(prepared)
+
+    def _write_once(self, prepared: Prepared) -> None:
+        connection = self._connect()
+        with connection.begin():
+            self._execute(connection, prepared)
+
     def _commit(self, prepared: Prepared, total: int) -> _Outcome:
         dead = list(prepared.dead)
         try:
-            with self._engine.begin() as connection:
-                self._configure(connection)
-                self._execute(connection, prepared)
+            self._commit_batch(prepared)
         except Exception as error:
             if is_transient(error):
+                self._disconnect()
                 raise
             log.warning("capture batch failed (%s); retrying it row by row", describe_error(error))
             try:
                 dead.extend(self._commit_row_by_row(prepared))
             except Exception as row_error:
                 if is_transient(row_error):
+                    self._disconnect()
                     raise
                 # Not one row's fault (say, a failure at COMMIT): the whole batch is rejected, on record.
                 reason = describe_error(row_error)
@@ -400,10 +458,6 @@ class CallWriter:
                 )
         self._dead_letter(dead)
         return _Outcome(written=total - len(dead), dead=dead)
-
-    def _configure(self, connection: sa.Connection) -> None:
-        if self._set_synchronous_commit is not None:
-            connection.execute(self._set_synchronous_commit)
 
     def _execute(self, connection: sa.Connection, prepared: Prepared) -> None:
         statements = self._statements
@@ -435,8 +489,8 @@ class CallWriter:
             rows.append((steps, [record]))
         rows.extend(([(statements.rewards, row)], [record]) for row, record in prepared.rewards)
         dead: list[tuple[Record, str]] = []
-        with self._engine.begin() as connection:
-            self._configure(connection)
+        connection = self._connect()
+        with connection.begin():
             for steps, sources in rows:
                 row = steps[0][1]
                 try:
