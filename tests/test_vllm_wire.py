@@ -77,3 +77,15 @@ def test_a_stream_without_a_finish_or_with_garbage_fails() -> None:
         reader.end()
     with pytest.raises(EngineError, match="unreadable stream event"):
         StreamReader(0, prompt_tokens=3).feed(b"data: {not json\n\n")
+
+
+def test_a_whole_answer_reads_as_its_stream_does() -> None:
+    """An unstreamed answer is one completion object with its usage: ``read`` gives what the stream's events give."""
+    choice = json.loads(event([5, 6, 2], finish="stop").decode().removeprefix("data: "))["choices"][0]
+    answer = {"choices": [choice], "usage": {"prompt_tokens": 7}, "metrics": {"time_to_first_token_ms": 40.0}}
+    reader = StreamReader(0, prompt_tokens=3)
+    delta = reader.read(answer)
+    assert delta is not None and delta.token_ids == [5, 6, 2] and delta.logprobs == [-0.5, -1.5, -2.5]
+    assert reader.end() == GenerationEnd("stop", 2, 7, {"prefill": 0.04})
+    _, _, streamed = read([event([5, 6, 2], finish="stop"), USAGE])
+    assert streamed.finish_reason == "stop" and streamed.stop_reason == 2 and streamed.prompt_tokens == 7

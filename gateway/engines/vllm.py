@@ -38,16 +38,13 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway.engines.base import GenerationEnd, GenerationEvent, GenerationRequest
+from gateway.engines.base import GenerationEvent, GenerationRequest
 from gateway.engines.vllm_wire import (
-    FINISH_REASONS,
     StreamReader,
     completion_body,
     error_from_response,
-    token_delta,
     transport_error,
 )
-from gateway.engines.vllm_wire import timings as read_timings
 from gateway.errors import APIError, BadRequest, EngineError, EngineUnavailable, NotFound
 
 logger = logging.getLogger(__name__)
@@ -250,25 +247,17 @@ class VLLMEngine:
             raise
         if status >= 400:
             raise error_from_response(status, body, path)
+        answer = StreamReader(request.params.top_logprobs, len(request.prompt_ids))
         try:
             payload = orjson.loads(body)
-            choice = payload["choices"][0]
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            if not payload["choices"]:
+                raise ValueError("no choice")
+            delta = answer.read(payload)
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise EngineError(f"vLLM sent an unreadable completion: {body[:200]!r}") from exc
-        delta = token_delta(choice, request.params.top_logprobs)
         if delta is not None:
             yield delta
-        finish = FINISH_REASONS.get(choice.get("finish_reason") or "", "stop")
-        stop_reason = choice.get("stop_reason")
-        if finish == "stop" and stop_reason is None and delta is not None:
-            stop_reason = delta.token_ids[-1]
-        usage = payload.get("usage") or {}
-        yield GenerationEnd(
-            finish_reason=finish,
-            stop_reason=stop_reason,
-            prompt_tokens=int(usage.get("prompt_tokens", len(request.prompt_ids))),
-            timings=read_timings(payload.get("metrics")),
-        )
+        yield answer.end()
 
     def _completion_body(self, request: GenerationRequest, *, stream: bool = True) -> bytes:
         body = completion_body(

@@ -143,7 +143,8 @@ def take_events(pending: bytearray) -> list[dict[str, Any]]:
 
 
 class StreamReader:
-    """What a streamed completion said so far: ``feed`` it the bytes as they arrive, ``end`` once the body ended."""
+    """What a completion said so far: ``feed`` it a stream's bytes as they arrive (or ``read`` a whole answer),
+    ``end`` once the body ended."""
 
     def __init__(self, top_logprobs: int, prompt_tokens: int) -> None:
         self.top_logprobs = top_logprobs
@@ -165,24 +166,33 @@ class StreamReader:
         for chunk in take_events(self._pending):
             if "error" in chunk:
                 return arrived, stream_error(chunk)
-            for choice in chunk.get("choices") or ():
-                delta = token_delta(choice, self.top_logprobs)
-                if delta is not None:
-                    arrived = delta if arrived is None else _join(arrived, delta)
-                    self.last_token = delta.token_ids[-1]
-                if choice.get("finish_reason") is not None:
-                    self.finish = FINISH_REASONS.get(choice["finish_reason"], "stop")
-                    self.stop_reason = choice.get("stop_reason")
-            usage = chunk.get("usage")
-            if usage:
-                self.prompt_tokens = int(usage.get("prompt_tokens", self.prompt_tokens))
-                self.timings = timings(chunk.get("metrics"))
+            delta = self.read(chunk)
+            if delta is not None:
+                arrived = delta if arrived is None else _join(arrived, delta)
         return arrived, None
+
+    def read(self, chunk: dict[str, Any]) -> TokenDelta | None:
+        """The tokens of one completion object (a stream event, or a whole unstreamed answer); its finish and
+        usage are kept for ``end``."""
+        arrived: TokenDelta | None = None
+        for choice in chunk.get("choices") or ():
+            delta = token_delta(choice, self.top_logprobs)
+            if delta is not None:
+                arrived = delta if arrived is None else _join(arrived, delta)
+                self.last_token = delta.token_ids[-1]
+            if choice.get("finish_reason") is not None:
+                self.finish = FINISH_REASONS.get(choice["finish_reason"], "stop")
+                self.stop_reason = choice.get("stop_reason")
+        usage = chunk.get("usage")
+        if usage:
+            self.prompt_tokens = int(usage.get("prompt_tokens", self.prompt_tokens))
+            self.timings = timings(chunk.get("metrics"))
+        return arrived
 
     def end(self) -> GenerationEnd:
         """The generation's end, once the body ended (an error if vLLM never said how it finished)."""
         if self.finish is None:
-            raise EngineError("vLLM ended the stream without a finish reason")
+            raise EngineError("vLLM ended its answer without a finish reason")
         stop_reason = self.stop_reason
         if self.finish == "stop" and stop_reason is None:
             # The primary EOS id: vLLM reports no stop_reason for it, but it is the last id it sent.
