@@ -46,13 +46,14 @@ from gateway.logs import setup_logging
 from gateway.metrics import Metrics
 from gateway.model_files import load_tokenizer
 from gateway.policy import PolicyFollower
+from gateway.promotion.promoter import Promoter
 from gateway.render import Renderer
 from gateway.response_store import ResponseStore
 from gateway.service import ChatService
 from gateway.sessions import SessionIndex
 from gateway.settings import Settings
 from gateway.state import AppState
-from gateway.store import adapter_leases, db, rollout_lifecycle, spool
+from gateway.store import adapter_leases, db, promotion, rollout_lifecycle, spool
 from gateway.store.errors import is_transient
 from gateway.store.writer import CallWriter
 
@@ -110,8 +111,7 @@ async def report_adapters(store: Any, gateway_id: str, service: ChatService, int
     reported: set[str] | None = None
     while True:
         in_use = {name for name, n in service.adapter_in_flight.items() if n > 0}
-        if service.adapter is not None:
-            in_use.add(service.adapter)
+        in_use.update(arm.adapter for arm in service.routing.arms() if arm.adapter is not None)
         if not in_use and reported == set():  # serving the base model: nothing to keep loaded, nothing to write
             await asyncio.sleep(interval)
             continue
@@ -224,8 +224,27 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
             asyncio.create_task(report_adapters(store, gateway_id, service, settings.adapter_heartbeat_interval)),
         ]
         if settings.policy_follow:
+            promoter = Promoter(settings, store, gateway_id, metrics)
+            try:
+                before = await asyncio.to_thread(promotion.set_mode, store, settings.promotion_mode)
+                if before is not None and before != settings.promotion_mode:
+                    log.warning(
+                        "promotion was %s on this database and is now %s: every gateway on one database should use "
+                        "the same CLAWGATE_PROMOTION",
+                        before,
+                        settings.promotion_mode,
+                    )
+            except Exception as exc:  # the database is down: the follower keeps trying and says so
+                log.warning("could not record the promotion mode: %s", describe(exc))
             follower = PolicyFollower(
-                settings, eng, service, store, metrics, probe_ids=tok.encode("Hello"), gateway_id=gateway_id
+                settings,
+                eng,
+                service,
+                store,
+                metrics,
+                probe_ids=tok.encode("Hello"),
+                gateway_id=gateway_id,
+                promoter=promoter,
             )
             app.state.clawgate.policy = follower
             try:  # serve the newest published version from the first call on

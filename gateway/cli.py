@@ -17,6 +17,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
+from gateway import policy_cli
 from gateway.logs import setup_logging
 from gateway.settings import Settings, environment_of, from_flags
 
@@ -234,90 +235,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     _tree_flags(export)
     export.set_defaults(func=cmd_export)
 
-    policy = sub.add_parser("policy", help="policy versions: list, pin, unpin, roll back")
-    policy.add_argument("action", choices=["list", "pin", "unpin", "rollback"])
-    policy.add_argument("version", nargs="?", type=int, help="the version to pin or roll back to")
-    policy.add_argument("--json", action="store_true", help="`list` as JSON")
-    policy.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
-    policy.set_defaults(func=cmd_policy)
-
-
-def cmd_policy(args: argparse.Namespace) -> int:
-    """Pin and rollback are written to the database; every gateway acts on them at its next policy poll."""
-    import json
-
-    from gateway.store import console, db, policy_control
-
-    if args.action in ("pin", "rollback") and args.version is None:
-        print(f"error: `clawgate policy {args.action}` needs a VERSION", file=sys.stderr)
-        return 2
-    if args.action == "unpin" and args.version is not None:
-        print("error: `clawgate policy unpin` takes no VERSION", file=sys.stderr)
-        return 2
-    engine = db.connect(_db_url(args))
-    try:
-        if args.action == "pin":
-            policy_control.pin(engine, args.version)
-            print(f"pinned policy@v{args.version}: every gateway serves it until `clawgate policy unpin`")
-        elif args.action == "unpin":
-            policy_control.unpin(engine)
-            print("unpinned: every gateway serves the newest version")
-        elif args.action == "rollback":
-            policy_control.request_rollback(engine, args.version)
-            print(
-                f"rolling back to policy@v{args.version}: served now (pinned); the trainer republishes it as the next "
-                "version, releases the pin and trains on from it"
-            )
-        else:
-            control = policy_control.read(engine)
-            versions = console.versions(engine)
-            if args.json:
-                for v in versions:
-                    row = {
-                        "version": v.version,
-                        "adapter": v.adapter_name,
-                        "status": v.status,
-                        "current": v.is_current,
-                        "pinned": v.version == control.pinned_version,
-                        "parent_version": v.parent_version,
-                        "rolled_back_from": v.rolled_back_from,
-                        "created_at": v.created_at.isoformat(),
-                        "turn_reward": v.turn_reward.mean,
-                        "rollout_reward": v.rollout_reward.mean,
-                    }
-                    print(json.dumps(row))
-                return 0
-            print(f"{'version':<16}{'status':<11}{'from':<10}{'turn reward':>12}{'rollout reward':>16}  published")
-            for v in versions:
-                flags = (" current" if v.is_current else "") + (
-                    " pinned" if v.version == control.pinned_version else ""
-                )
-                origin = (
-                    f"rb v{v.rolled_back_from}"
-                    if v.rolled_back_from is not None
-                    else (f"v{v.parent_version}" if v.parent_version is not None else "-")
-                )
-                turn = f"{v.turn_reward.mean:.3f}" if v.turn_reward.mean is not None else "-"
-                rollout = f"{v.rollout_reward.mean:.3f}" if v.rollout_reward.mean is not None else "-"
-                print(
-                    f"{v.adapter_name:<16}{v.status:<11}{origin:<10}{turn:>12}{rollout:>16}  "
-                    f"{v.created_at:%Y-%m-%d %H:%M:%S}{flags}"
-                )
-            if control.rollback_to is not None:
-                print(f"rollback to policy@v{control.rollback_to} requested: waiting for the trainer")
-    except policy_control.UnknownVersion as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        engine.dispose()
-    return 0
+    policy_cli.register(sub)
 
 
 __all__ = [
     "SERVE_FLAGS",
     "cmd_db",
     "cmd_export",
-    "cmd_policy",
     "cmd_serve",
     "cmd_tree",
     "register",

@@ -65,6 +65,7 @@ class Continuity:
             exact_hashes=[exact_hash(m) for m in call.messages],
             explicit=scope is not None,
             ended_at=0.0,  # its rollout's state was read now, but may change before this call is recorded
+            policy_version=call.policy_version,
         )
         log.info("continuing call %s found in the database", call.call_id)
         self.index.add(scope, tail, b"", entry)

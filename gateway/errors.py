@@ -109,6 +109,13 @@ class NotFound(APIError):
     type = "not_found_error"
 
 
+class Conflict(APIError):
+    """The request contradicts the current state (a version that is not undecided cannot be promoted)."""
+
+    status_code = 409
+    type = "conflict_error"
+
+
 class RateLimited(APIError):
     status_code = 429
     type = "rate_limit_error"

@@ -71,6 +71,25 @@ class Metrics:
             "clawgate_policy_version", "Policy version new calls are routed to (-1: the base model)", registry=r
         )
         self.policy_version.set(-1)
+        self.canary_version = Gauge(
+            "clawgate_canary_version", "Candidate version serving a canary here (-1: none)", registry=r
+        )
+        self.canary_version.set(-1)
+        self.canary_share = Gauge(
+            "clawgate_canary_share", "Share of new conversations sent to the candidate", registry=r
+        )
+        self.canary_samples = Gauge(
+            "clawgate_canary_samples", "Rewarded samples of each arm of the running canary", ["arm"], registry=r
+        )
+        self.canary_reward = Gauge(
+            "clawgate_canary_reward_mean", "Mean reward of each arm of the running canary", ["arm"], registry=r
+        )
+        self.canary_error_rate = Gauge(
+            "clawgate_canary_error_rate", "Failed calls per call of each arm of the running canary", ["arm"], registry=r
+        )
+        self.promotion_decisions = Counter(
+            "clawgate_promotion_decisions", "Stage decisions this gateway took", ["outcome"], registry=r
+        )
         self.policy_swaps = Counter("clawgate_policy_swaps", "Policy versions swapped in", registry=r)
         self.policy_swap_failures = Counter(
             "clawgate_policy_swap_failures", "Published versions that could not be loaded or did not answer", registry=r

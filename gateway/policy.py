@@ -17,8 +17,12 @@ The trainer publishes ``policy@vN`` by writing its directory and then committing
 A version that fails to load or to answer is reported (log, metric) and skipped; the gateway keeps serving the
 version it had. If the engine lost the current adapter (a restarted engine), it is loaded again.
 
-An operator's pin (``store/policy_control.py``) overrides "the newest": the follower swaps to the pinned version,
-older or newer, and stays on it until it is unpinned.
+An operator's pin (``store/policy_control.py``) overrides everything: the follower swaps to the pinned version,
+older or newer, serves it to all traffic and stays on it until it is unpinned.
+
+Guarded promotion (``gateway/promotion``): "the newest" is the *incumbent*, the newest version promoted. During a
+canary the follower also loads the candidate and routes a share of new conversations to it
+(``promotion/routing.py``); its promoter takes the stage decisions at each poll.
 """
 
 from __future__ import annotations
@@ -36,22 +40,16 @@ from sqlalchemy.orm import Session
 from gateway.engines.base import Engine, GenerationEnd, GenerationRequest, SamplingParams
 from gateway.faults import Fault, describe
 from gateway.metrics import Metrics
+from gateway.promotion.promoter import Promoter
+from gateway.promotion.routing import Arm, Routing
 from gateway.service import ChatService
 from gateway.settings import Settings
-from gateway.store import adapter_leases, policy_control
+from gateway.store import adapter_leases, promotion
 from gateway.store.models import PolicyVersion
 
 log = logging.getLogger("clawgate.policy")
 # While the database (or the engine) is unreachable the follower looks less and less often, up to this (seconds).
 MAX_POLL_BACKOFF = 30.0
-
-
-def newest_version(db: sa.Engine, after: int | None) -> PolicyVersion | None:
-    query = sa.select(PolicyVersion).order_by(PolicyVersion.version.desc()).limit(1)
-    if after is not None:
-        query = query.where(PolicyVersion.version > after)
-    with Session(db, expire_on_commit=False) as session:
-        return session.scalars(query).first()
 
 
 def mark_current(db: sa.Engine, version: int, loaded_at: dt.datetime) -> None:
@@ -91,6 +89,7 @@ class PolicyFollower:
         metrics: Metrics,
         probe_ids: list[int],
         gateway_id: str | None = None,
+        promoter: Promoter | None = None,
     ) -> None:
         self.settings = settings
         self.engine = engine
@@ -105,6 +104,10 @@ class PolicyFollower:
         self.failed: set[int] = set()
         self.pinned: int | None = None  # the operator's pin, as last read (store/policy_control.py)
         self.last_swap_seconds: float | None = None  # load + verify + route of the latest swap
+        # Guarded promotion: stage changes are taken here, at each poll (None: this gateway takes no decisions).
+        self.promoter = promoter
+        self.state = promotion.State()  # stages as last read
+        self.candidate: int | None = None  # the canary's version while this gateway routes to it
         self._lock = asyncio.Lock()
         self.fault = Fault(log, "policy follower: cannot look for new versions")
 
@@ -124,20 +127,93 @@ class PolicyFollower:
             interval = self.settings.policy_poll_interval
 
     async def sync(self) -> int | None:
-        """One look for the version to serve — the pinned one, else the newest — and a swap to it when it is not
-        served yet; returns the version served afterwards (None: the base model)."""
+        """One look at what to serve — the pinned version, else the incumbent (the newest promoted version) and,
+        during a canary, the candidate beside it — loading and routing to what is not served yet; returns the
+        incumbent served afterwards (None: the base model)."""
         async with self._lock:
             await self._ensure_current_loaded()
-            control = await asyncio.to_thread(policy_control.read, self.db)
-            self.pinned = control.pinned_version
-            if self.pinned is not None:
-                row = None if self.pinned == self.current else await asyncio.to_thread(_get, self.db, self.pinned)
+            state = await asyncio.to_thread(promotion.read_state, self.db)
+            if self.promoter is not None and await asyncio.to_thread(self.promoter.step, state):
+                state = await asyncio.to_thread(promotion.read_state, self.db)
+            self.state = state
+            self.pinned = state.pinned
+            if state.pinned is not None:
+                row = None if state.pinned == self.current else await asyncio.to_thread(_get, self.db, state.pinned)
             else:
-                row = await asyncio.to_thread(newest_version, self.db, self.current)
+                row = (
+                    state.incumbent if state.incumbent is not None and state.incumbent.version != self.current else None
+                )
             if row is not None and row.version not in self.failed:
                 await self._swap_to(row)
+            await self._route(state)
             await self._retire()
             return self.current
+
+    async def _route(self, state: promotion.State) -> None:
+        """Route new conversations: all to the incumbent, or during a canary a share to the candidate (loaded and
+        verified first; one that cannot be served is rejected with the reason, and the incumbent serves on)."""
+        incumbent = Arm(self.service.adapter, self.service.policy_version)
+        canary = state.canary if state.pinned is None else None
+        candidate: Arm | None = None
+        if canary is not None and canary.version not in self.failed and await self._load(canary):
+            candidate = Arm(canary.adapter_name, canary.version)
+        if state.mode != promotion.GUARDED or state.pinned is not None:
+            routing = Routing(incumbent)
+        else:
+            live = set(state.promoted)
+            kept = {v: Arm(name, v) for v, name in self.loaded.items() if v in live}
+            share = canary.canary_share if canary is not None and canary.canary_share is not None else 0.0
+            routing = Routing(incumbent, candidate, share, sticky=True, kept=kept)
+        if routing != self.service.routing:
+            self.service.use_routing(routing)
+            self.candidate = candidate.version if candidate is not None else None
+            self.metrics.canary_version.set(-1 if self.candidate is None else self.candidate)
+            self.metrics.canary_share.set(routing.share if candidate is not None else 0.0)
+
+    async def _load(self, row: PolicyVersion) -> bool:
+        """Load and verify a canary's adapter (once); False, and the candidate rejected, when it cannot serve."""
+        name = row.adapter_name
+        try:
+            if name not in await self.engine.adapters():
+                await self.engine.load_adapter(name, self._engine_path(row))
+                await self._probe(name)
+        except Exception as exc:
+            self.failed.add(row.version)
+            self.metrics.policy_swap_failures.inc()
+            reason = f"load failed: {describe(exc)}"
+            log.error("canary policy %s could not be served (%s): rejecting it", name, reason)
+            await asyncio.to_thread(
+                promotion.move,
+                self.db,
+                row.version,
+                expect=promotion.UNDECIDED,
+                to="rejected",
+                reason=reason,
+                decided_by=self.gateway_id,
+                incumbent=self.current,
+            )
+            return False
+        if row.version not in self.loaded:
+            self.loaded[row.version] = name
+            log.info("canary policy %s loaded and verified", name)
+        return True
+
+    def promotion_summary(self) -> dict[str, Any]:
+        """Incumbent, candidate, stage and share as this gateway last read them (no database access: /health)."""
+        state, routing = self.state, self.service.routing
+        undecided = state.canary or (state.candidates[-1] if state.candidates else None)
+        last = self.promoter.last if self.promoter is not None else None
+        return {
+            "mode": state.mode,
+            "incumbent": routing.incumbent.version,
+            "candidate": undecided.version if undecided is not None else None,
+            "stage": undecided.stage if undecided is not None else None,
+            "canary_share": routing.share if routing.candidate is not None else 0.0,
+            "serving_candidate": routing.candidate is not None,
+            "last_look": None
+            if last is None or self.promoter is None or self.promoter.last_version != self.candidate
+            else {"outcome": last.outcome, "reason": last.reason},
+        }
 
     # -- steps ---------------------------------------------------------------------------------------------
 
@@ -208,7 +284,7 @@ class PolicyFollower:
         keep = self.settings.policy_keep_loaded
         while len(self.loaded) > keep:
             version, name = next(iter(self.loaded.items()))
-            if version == self.current:
+            if version in (self.current, self.candidate):
                 return
             if self.service.adapter_in_flight.get(name, 0) > 0:
                 return  # calls still run on it: next time

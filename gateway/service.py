@@ -38,6 +38,7 @@ from gateway.next_state import RULE_SOURCE, next_state, tool_errors
 from gateway.parsers import get_parser
 from gateway.parsers.base import OutputParser, ParseDelta, ParsedOutput, collect
 from gateway.parsers.plain import PlainText
+from gateway.promotion.routing import Arm, Routing
 from gateway.render import Renderer
 from gateway.sessions import CallEntry, PromptPlan, SessionIndex, plan_prompt
 from gateway.stops import StopTrimmer
@@ -108,8 +109,8 @@ class ChatService:
         self.max_tokens_cap = max_tokens_cap
         self.parser_cls = get_parser(parser)
         self.tool_choice = ToolChoice(self.parser_cls, tokenizer)
-        self.adapter = adapter
-        self.policy_version = policy_version
+        # Which version serves a call (gateway/promotion/routing.py): the incumbent, and a canary's candidate.
+        self.routing = Routing(Arm(adapter, policy_version))
         # Calls running per adapter: a version is unloaded only once none of this gateway's calls use it.
         self.adapter_in_flight: Counter[str] = Counter()
         self.db = db
@@ -126,9 +127,22 @@ class ChatService:
         self.max_in_flight = max_in_flight
 
     # -- state others change through these ------------------------------------------------------------------
+    @property
+    def adapter(self) -> str | None:
+        """The incumbent's adapter (None: the base model)."""
+        return self.routing.incumbent.adapter
+
+    @property
+    def policy_version(self) -> int | None:
+        return self.routing.incumbent.version
+
     def use_policy(self, adapter: str | None, version: int | None) -> None:
-        """Serve new calls with ``adapter`` (None: the base model), recorded as policy ``version``."""
-        self.adapter, self.policy_version = adapter, version
+        """Serve every new call with ``adapter`` (None: the base model), recorded as policy ``version``."""
+        self.routing = Routing(Arm(adapter, version))
+
+    def use_routing(self, routing: Routing) -> None:
+        """Serve new calls as ``routing`` says (one assignment: a call sees the old routing or the new one)."""
+        self.routing = routing
 
     def close_rollouts(self, rollout_ids: Iterable[str]) -> None:
         """Rollouts the gateway closed: a conversation that resumes one starts a new rollout instead."""
@@ -184,6 +198,8 @@ class ChatService:
             rollout_id = plan.parent.rollout_id
         else:
             rollout_id = new_id("ro")
+        parent = plan.parent
+        arm = self.routing.arm_for(rollout_id, parent.policy_version if parent else None, parent is not None)
         prefix = 0
         if plan.parent is not None:
             parent_hashes = plan.parent.exact_hashes
@@ -202,8 +218,8 @@ class ChatService:
             exact_hashes=exact,
             stored_request=job.raw_request,
             request_prefix_messages=prefix,
-            adapter=self.adapter,
-            policy_version=self.policy_version,
+            adapter=arm.adapter,
+            policy_version=arm.version,
             forced_text=forced_text,
         )
 
@@ -386,6 +402,7 @@ class ChatService:
             ends_with_end_of_turn=self.renderer.ends_with_end_of_turn(ids),
             exact_hashes=prep.exact_hashes,
             explicit=prep.job.rollout.id is not None,
+            policy_version=prep.policy_version,
         )
         out = output_hash(answer)
         self.index.add(prep.job.rollout.id, tail, out, entry)

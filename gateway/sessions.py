@@ -42,6 +42,8 @@ class CallEntry:
     # When the call ended (time.time()); 0 for one read back from the database. Its rollout cannot have been
     # closed for idleness sooner than the idle timeout after this.
     ended_at: float = field(default_factory=time.time)
+    # The policy version that served it: a conversation keeps its version under guarded promotion.
+    policy_version: int | None = None
 
 
 @dataclass(slots=True)

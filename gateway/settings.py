@@ -79,6 +79,24 @@ class Settings(BaseSettings):
     # The adapter directory as the vLLM server sees it (compose mounts one volume at the same path everywhere).
     vllm_adapter_dir: Path | None = None
 
+    # Guarded promotion (gateway/promotion): "guarded" serves a newly trained version to a canary share of new
+    # conversations beside the incumbent and promotes or rejects it on live evidence; "immediate" serves it to all
+    # traffic at once. Default: guarded in production (a bad step must not reach every user), immediate in
+    # development (one person's traffic gives a canary little evidence, and a demo should show learning at once).
+    # Every gateway on one database must use the same mode (each records it there; the trainer reads it).
+    promotion: Literal["guarded", "immediate"] | None = None
+    # Share of new conversations the candidate serves during its canary.
+    canary_share: float = Field(default=0.1, gt=0, le=1)
+    # Rewarded samples (turns, task runs) each arm needs before the canary is decided on evidence.
+    canary_min_turns: int = Field(default=50, ge=1)
+    # How much lower (in reward units) the candidate's mean reward may be and still be promoted.
+    promotion_margin: float = Field(default=0.05, ge=0)
+    # A canary undecided this long (seconds) gets `canary_timeout_outcome` (reject: unproven weights serve nobody).
+    canary_max_seconds: float = Field(default=3600.0, gt=0)
+    canary_timeout_outcome: Literal["promote", "reject"] = "reject"
+    # Seconds between looks at a running canary's evidence (each gateway looks; the first to decide decides).
+    canary_check_interval: float = Field(default=5.0, gt=0)
+
     # Trainer (`clawgate train`, `clawgate up`)
     train_algorithm: Literal["grpo", "ppo"] = "grpo"
     # 0 makes a control run: versions are published and served, the weights never change.
@@ -215,6 +233,12 @@ class Settings(BaseSettings):
             if weak:
                 raise ValueError("CLAWGATE_API_KEYS contains a placeholder key")
         return self
+
+    @property
+    def promotion_mode(self) -> Literal["guarded", "immediate"]:
+        if self.promotion is not None:
+            return self.promotion
+        return "guarded" if self.environment == "production" else "immediate"
 
     @property
     def reward_worker_enabled(self) -> bool:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from sqlalchemy.orm import Session
 
+from gateway.store import promotion
 from gateway.store.db import connect
 from gateway.store.models import PolicyVersion
 from trainer import lora
@@ -33,6 +34,8 @@ def publish(
     engine = connect(database_url)
     try:
         with Session(engine) as session, session.begin():
+            # The stage the trainer would publish it in: a candidate under guarded promotion (``trainer/publish.py``).
+            stage = promotion.initial_stage(session, rolled_back_from=None)
             session.add(
                 PolicyVersion(
                     version=version,
@@ -42,8 +45,12 @@ def publish(
                     status="published",
                     is_current=False,
                     created_at=dt.datetime.now(dt.UTC),
+                    stage=stage,
+                    stage_at=dt.datetime.now(dt.UTC),
                 )
             )
+            if stage == "promoted":
+                promotion.record_published(session, version, rolled_back_from=None, at=dt.datetime.now(dt.UTC))
     finally:
         engine.dispose()
     return path

@@ -28,7 +28,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from gateway.faults import Fault, describe
-from gateway.store import policy_control, turns
+from gateway.store import policy_control, promotion, turns
 from gateway.store.models import TrainStep
 from gateway.store.readiness import oldest_ready_age, readiness
 from trainer.plan import StepResult
@@ -70,6 +70,29 @@ def should_step(trainer: Trainer, cfg: LoopConfig) -> tuple[bool, str]:
     if trainer.config.await_judge:
         waiting += f", {backlog.awaiting_judge} await the judge"
     return False, waiting
+
+
+def promotion_gate(trainer: Trainer) -> tuple[bool, str]:
+    """Under guarded promotion: train on only from weights that earned their traffic.
+
+    While the version the policy holds is a candidate or in its canary, the next step waits (it would build on
+    unproven weights, and a rejection would throw it away). Once that version is rejected the policy goes back to
+    the incumbent's weights (``Trainer.restore``) and training goes on from there. The data the rejected version
+    served stays usable: it is trained off-policy like any other older version's, under the staleness bound and
+    the truncated importance weights (``loss.py``)."""
+    state = promotion.read_state(trainer.db)
+    if state.mode != promotion.GUARDED:
+        return True, ""
+    stage = promotion.stage_of(trainer.db, trainer.parent)
+    if stage == "rejected":
+        incumbent = (
+            state.incumbent.version if state.incumbent is not None else promotion.newest_not_rejected(trainer.db)
+        )
+        trainer.restore(incumbent or 0)
+        stage = promotion.stage_of(trainer.db, trainer.parent)
+    if stage in promotion.UNDECIDED:
+        return False, f"waiting: policy@v{trainer.parent} is {'in its canary' if stage == 'canary' else 'a candidate'}"
+    return True, ""
 
 
 def record_failure(
@@ -119,7 +142,9 @@ def run(
             rollback_to = policy_control.read(trainer.db).rollback_to
             if rollback_to is not None:
                 trainer.rollback(rollback_to)
-            go, why = should_step(trainer, cfg)
+            go, why = promotion_gate(trainer)
+            if go:
+                go, why = should_step(trainer, cfg)
             result = trainer.step() if go else None
         except Exception as exc:
             fault.failed(f"{describe(exc)}; retrying in {backoff:.0f}s", exc_info=exc)
@@ -143,4 +168,4 @@ def run(
     return steps
 
 
-__all__ = ["LoopConfig", "oldest_ready_age", "record_failure", "run", "should_step"]
+__all__ = ["LoopConfig", "oldest_ready_age", "promotion_gate", "record_failure", "run", "should_step"]

@@ -24,7 +24,7 @@ from types import TracebackType
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from gateway.store import policy_control
+from gateway.store import policy_control, promotion
 from gateway.store.models import PolicyVersion, TrainedRollout, TrainedTurn, TrainStep
 from trainer import lora
 
@@ -164,6 +164,8 @@ def record_version(
                         created_at=now,
                     )
                 )
+        # Under guarded promotion a trained version is a candidate that must earn its traffic (gateway/promotion).
+        stage = promotion.initial_stage(session, rolled_back_from=manifest.rolled_back_from)
         session.add(
             PolicyVersion(
                 version=manifest.version,
@@ -177,10 +179,14 @@ def record_version(
                 created_at=now,
                 parent_version=manifest.parent_version,
                 rolled_back_from=manifest.rolled_back_from,
+                stage=stage,
+                stage_at=now,
             )
         )
         if manifest.rolled_back_from is not None:
             policy_control.complete_rollback(session, manifest.rolled_back_from)
+        if stage == "promoted":
+            promotion.record_published(session, manifest.version, rolled_back_from=manifest.rolled_back_from, at=now)
     return step_id
 
 

@@ -46,7 +46,7 @@ from typing import cast
 import sqlalchemy as sa
 import torch
 
-from gateway.store import turns
+from gateway.store import promotion, turns
 from gateway.store.readiness import ready_rollouts, stale_rollouts, stale_turns
 from gateway.store.training_data import RolloutData, load_rollout, load_turns, turn_trees
 from prefix_tree import RolloutTree
@@ -73,6 +73,9 @@ class Trainer:
         torch.manual_seed(config.seed)
         base = lora.load_base(config.model, dtype=config.dtype, device=resolve_device(config.device))
         latest = publish.recover(db, config.adapter_dir)
+        # The version whose weights the policy holds: the newest published one, unless guarded promotion rejected
+        # it (then the newest not rejected: training goes on from weights that earned their traffic).
+        self.parent = 0
         if latest is None:
             self.policy = lora.new_policy(base, config.lora, gradient_checkpointing=config.gradient_checkpointing)
             self.version = 0
@@ -84,7 +87,8 @@ class Trainer:
                 metrics={},
             )
         else:
-            path = lora.version_path(config.adapter_dir, latest)
+            self.parent = promotion.newest_not_rejected(db) or 0
+            path = lora.version_path(config.adapter_dir, self.parent)
             self.policy = lora.load_policy(base, path, gradient_checkpointing=config.gradient_checkpointing)
             self.version = latest
             self.critic = self._critic(path)
@@ -121,14 +125,14 @@ class Trainer:
                 rollouts=sorted(consumed),
                 turns=sorted(consumed_turns),
                 metrics=metrics,
-                parent_version=self.version,
+                parent_version=self.parent,
             ),
             step=(started, metrics),
             consumed=consumed,
             consumed_turns=consumed_turns,
             metrics=metrics,
         )
-        self.version = version
+        self.version = self.parent = version
         return StepResult(
             step_id,
             version,
@@ -346,8 +350,21 @@ class Trainer:
             metrics={},
         )
         log.info("rolled back: policy@v%d republishes the weights of policy@v%d; training goes on from it", version, to)
-        self.version = version
+        self.version = self.parent = version
         return version
+
+    def restore(self, to: int) -> None:
+        """Go on from version ``to``'s weights (and value head) without publishing: guarded promotion rejected the
+        version the policy holds, so the next step trains from the incumbent instead. The optimizer starts afresh
+        (its moments belong to the rejected trajectory)."""
+        path = lora.version_path(self.config.adapter_dir, to)
+        lora.load_weights(self.policy, path)
+        if self.critic is not None:
+            self.critic = self._critic(path)
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=0.0)
+        log.info("policy@v%d was rejected: training goes on from the weights of policy@v%d", self.parent, to)
+        self.parent = to
 
     def _critic(self, resumed: Path | None) -> ppo.Critic | None:
         """PPO's value head: the one saved in the version resumed from, else a fresh one (None for GRPO)."""

@@ -1,4 +1,4 @@
-"""Policy-control routes (admin key): which version serves, pin one, unpin, roll back.
+"""Policy-control routes (admin key): which version serves, pin one, unpin, roll back, promote or reject a candidate.
 
 ``GET /v1/policy`` lists the versions and says what this gateway serves, what is pinned and which rollback the
 trainer has yet to carry out. Pin and rollback take effect on every gateway at its next policy poll
@@ -13,10 +13,12 @@ from typing import Any
 from fastapi import APIRouter
 
 from gateway.api.deps import AdminAuth, State
-from gateway.errors import NotFound
-from gateway.protocol.policy import VersionChoice
+from gateway.errors import Conflict, NotFound
+from gateway.promotion.promoter import rule_of
+from gateway.promotion.status import status
+from gateway.protocol.policy import OptionalVersion, VersionChoice
 from gateway.state import AppState
-from gateway.store import console, policy_control
+from gateway.store import console, policy_control, promotion
 
 router = APIRouter()
 
@@ -25,9 +27,16 @@ async def describe_policy(state: AppState) -> dict[str, Any]:
     control, versions = await asyncio.gather(
         asyncio.to_thread(policy_control.read, state.db), asyncio.to_thread(console.versions, state.db)
     )
+    routing = state.service.routing
+    rule = rule_of(state.settings)
+    promo = await asyncio.to_thread(status, state.db, rule)
     return {
         "object": "policy",
         "served": {"adapter": state.service.adapter, "version": state.service.policy_version},
+        "canary": None
+        if routing.candidate is None
+        else {"adapter": routing.candidate.adapter, "version": routing.candidate.version, "share": routing.share},
+        "promotion": promo,
         "pinned_version": control.pinned_version,
         "rollback_to": control.rollback_to,
         "versions": [
@@ -35,6 +44,7 @@ async def describe_policy(state: AppState) -> dict[str, Any]:
                 "version": v.version,
                 "adapter": v.adapter_name,
                 "status": v.status,
+                "stage": v.stage,
                 "current": v.is_current,
                 "parent_version": v.parent_version,
                 "rolled_back_from": v.rolled_back_from,
@@ -47,12 +57,14 @@ async def describe_policy(state: AppState) -> dict[str, Any]:
     }
 
 
-async def apply(state: AppState, change: Any, *args: int) -> dict[str, Any]:
+async def apply(state: AppState, change: Any, *args: Any) -> dict[str, Any]:
     """Write the change, let this gateway's follower act on it now, and describe the result."""
     try:
         await asyncio.to_thread(change, state.db, *args)
     except policy_control.UnknownVersion as exc:
         raise NotFound(str(exc), param="version") from None
+    except promotion.NotDecidable as exc:
+        raise Conflict(str(exc), param="version") from None
     if state.policy is not None:
         await state.policy.sync()
     return await describe_policy(state)
@@ -80,3 +92,16 @@ async def rollback(body: VersionChoice, state: State) -> dict[str, Any]:
     """Serve ``version`` now and have the trainer continue from it: it republishes that version's weights as a new
     version and trains on from there."""
     return await apply(state, policy_control.request_rollback, body.version)
+
+
+@router.post("/v1/policy/promote", dependencies=[AdminAuth])
+async def promote(body: OptionalVersion, state: State) -> dict[str, Any]:
+    """Promote a candidate or canary now (default: the undecided one): it becomes the incumbent."""
+    return await apply(state, promotion.decide_by_operator, "promote", body.version)
+
+
+@router.post("/v1/policy/reject", dependencies=[AdminAuth])
+async def reject(body: OptionalVersion, state: State) -> dict[str, Any]:
+    """Reject a candidate or canary now (default: the undecided one): the incumbent serves everything again and the
+    trainer goes on from the incumbent's weights."""
+    return await apply(state, promotion.decide_by_operator, "reject", body.version)

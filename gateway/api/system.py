@@ -38,6 +38,7 @@ async def health(state: State) -> Response:
     if state.policy is not None:
         policy.update(state.policy.fault.snapshot())
         policy["pinned_version"] = state.policy.pinned
+        policy["promotion"] = state.policy.promotion_summary()
     degraded = not engine_ok or capture["state"] != "ok" or policy.get("state", "ok") != "ok"
     body: dict[str, Any] = {
         "status": "degraded" if degraded else "ok",

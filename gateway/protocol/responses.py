@@ -173,7 +173,7 @@ class ResponsesRequest(ModelRequest):
         if isinstance(self.tool_choice, dict) and self.tool_choice.get("type") != "function":
             raise ValueError(
                 f"tool_choice of type {self.tool_choice.get('type')!r} is not supported: only function tools can be "
-                "forced (\"required\" or {\"type\": \"function\", \"name\": …})"
+                'forced ("required" or {"type": "function", "name": …})'
             )
         if isinstance(self.tool_choice, dict):
             name = self.tool_choice.get("name")

@@ -76,6 +76,7 @@ class VersionRow:
     trained_turns: int = 0
     parent_version: int | None = None
     rolled_back_from: int | None = None
+    stage: str = "promoted"  # guarded promotion: candidate | canary | promoted | rejected
 
 
 def versions(db: sa.Engine, limit: int = 200) -> list[VersionRow]:
@@ -131,6 +132,7 @@ def versions(db: sa.Engine, limit: int = 200) -> list[VersionRow]:
                 trained_turns=int(trained_t.get(v.version, 0)),
                 parent_version=v.parent_version,
                 rolled_back_from=v.rolled_back_from,
+                stage=v.stage,
             )
             for v in rows
         ]

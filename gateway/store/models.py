@@ -150,7 +150,11 @@ class Call(Base):
 
     rollout: Mapped[Rollout] = relationship(back_populates="calls", viewonly=True)
 
-    __table_args__ = (sa.Index("ix_calls_rollout_id_started_at", "rollout_id", "started_at"),)
+    __table_args__ = (
+        sa.Index("ix_calls_rollout_id_started_at", "rollout_id", "started_at"),
+        # A canary's evidence: the calls each arm's version served since the canary began.
+        sa.Index("ix_calls_policy_version_started_at", "policy_version", "started_at"),
+    )
 
 
 class Reward(Base):
@@ -193,6 +197,11 @@ class PolicyVersion(Base):
     # The version it was trained from; a rollback republishes an earlier version's weights as a new version.
     parent_version: Mapped[int | None] = mapped_column(sa.Integer)
     rolled_back_from: Mapped[int | None] = mapped_column(sa.Integer)  # the version whose weights it copies
+    # Guarded promotion (``gateway/promotion``): candidate -> canary -> promoted | rejected. The newest promoted
+    # version is the incumbent; a canary serves ``canary_share`` of new conversations from ``stage_at`` on.
+    stage: Mapped[str] = mapped_column(sa.String, default="promoted", server_default="promoted")
+    stage_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    canary_share: Mapped[float | None] = mapped_column(sa.Float)
 
 
 class PolicyControl(Base):
@@ -206,6 +215,8 @@ class PolicyControl(Base):
     pinned_version: Mapped[int | None] = mapped_column(sa.Integer)
     rollback_to: Mapped[int | None] = mapped_column(sa.Integer)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # "guarded" | "immediate", as the gateways last said (the trainer publishes candidates or promoted versions).
+    promotion: Mapped[str | None] = mapped_column(sa.String)
 
 
 class TrainStep(Base):
@@ -311,3 +322,19 @@ class GatewayAdapter(Base):
     gateway_id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
     adapter: Mapped[str] = mapped_column(sa.String, primary_key=True, index=True)
     seen_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+
+
+class PromotionDecision(Base):
+    """A stage change of a policy version (canary started, promoted, rejected), why, and the evidence it used."""
+
+    __tablename__ = "promotion_decisions"
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    version: Mapped[int] = mapped_column(sa.Integer, index=True)
+    incumbent_version: Mapped[int | None] = mapped_column(sa.Integer)
+    outcome: Mapped[str] = mapped_column(sa.String)  # "canary" | "promoted" | "rejected"
+    # "evidence" | "time limit" | "operator" | "load failed" | "superseded" | "immediate" | "first version" | ...
+    reason: Mapped[str] = mapped_column(sa.String)
+    evidence: Mapped[dict[str, Any] | None] = mapped_column(JSONValue)
+    decided_by: Mapped[str | None] = mapped_column(sa.String)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)

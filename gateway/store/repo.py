@@ -61,6 +61,7 @@ class ContinuedCall:
     token_ids: list[int]  # its full prompt + completion
     completion_ids: list[int]
     messages: list[Any]  # its full request's messages
+    policy_version: int | None = None
 
 
 def continued_call(db: sa.Engine, tail_hash: str, rollout_id: str | None) -> ContinuedCall | None:
@@ -90,6 +91,7 @@ def continued_call(db: sa.Engine, tail_hash: str, rollout_id: str | None) -> Con
             token_ids=full_prompt_ids(cache, call) + completion,
             completion_ids=completion,
             messages=cache.messages(call),
+            policy_version=call.policy_version,
         )
 
 

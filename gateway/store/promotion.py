@@ -1,0 +1,283 @@
+"""Promotion stages in the database: what serves, the canary's evidence, and decisions taken with compare-and-set.
+
+A version's ``stage`` moves ``candidate`` → ``canary`` → ``promoted`` | ``rejected`` (a candidate may also be
+promoted or rejected directly: immediate mode, an operator, a newer candidate superseding it). Every move is one
+transaction that changes the stage only if it is still the one the mover saw (``UPDATE … WHERE stage IN …``) and
+records a ``promotion_decisions`` row, so when several gateways decide at once exactly one decision is taken.
+The promotion mode (``guarded`` | ``immediate``) is stored beside the operator's pin (``policy_control``): the
+gateways write it, the trainer reads it when it publishes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from gateway.store import policy_control
+from gateway.store.models import Call, PolicyControl, PolicyVersion, PromotionDecision, Reward, Rollout
+from gateway.store.turns import turn_rewards
+
+GUARDED, IMMEDIATE = "guarded", "immediate"
+UNDECIDED = ("candidate", "canary")
+
+
+class NotDecidable(ValueError):
+    """The operator asked to promote or reject a version that is not a candidate or in a canary."""
+
+
+def set_mode(db: sa.Engine, mode: str) -> str | None:
+    """Record the gateways' promotion mode; returns the mode recorded before (another gateway's, or None)."""
+    with Session(db) as session, session.begin():
+        row = session.get(PolicyControl, policy_control.ROW_ID, with_for_update=True)
+        if row is None:
+            row = PolicyControl(id=policy_control.ROW_ID, updated_at=dt.datetime.now(dt.UTC))
+            session.add(row)
+        before, row.promotion = row.promotion, mode
+        return before
+
+
+def mode_in(session: Session) -> str:
+    row = session.get(PolicyControl, policy_control.ROW_ID)
+    return (row.promotion if row is not None else None) or IMMEDIATE
+
+
+def initial_stage(session: Session, *, rolled_back_from: int | None) -> str:
+    """The stage a version is published in: a candidate under guarded promotion, unless there is nothing to compare
+    it with (the first version) or its weights are an earlier version's (a rollback); promoted otherwise."""
+    if mode_in(session) != GUARDED or rolled_back_from is not None:
+        return "promoted"
+    has_incumbent = session.scalar(sa.select(PolicyVersion.version).where(PolicyVersion.stage == "promoted").limit(1))
+    return "candidate" if has_incumbent is not None else "promoted"
+
+
+def record_published(session: Session, version: int, *, rolled_back_from: int | None, at: dt.datetime) -> None:
+    """Inside the transaction that publishes a promoted ``version``: say why it skipped the canary, and under guarded
+    promotion retire what is still undecided (a rollback goes back to proven weights; what was trained before it
+    is superseded)."""
+    guarded = mode_in(session) == GUARDED
+    reason = "rollback" if rolled_back_from is not None else ("first version" if guarded else "immediate")
+    session.add(
+        PromotionDecision(version=version, outcome="promoted", reason=reason, decided_by="trainer", created_at=at)
+    )
+    if not guarded:
+        return
+    for older in session.scalars(
+        sa.select(PolicyVersion.version).where(PolicyVersion.version < version, PolicyVersion.stage.in_(UNDECIDED))
+    ).all():
+        session.execute(
+            sa.update(PolicyVersion).where(PolicyVersion.version == older).values(stage="rejected", stage_at=at)
+        )
+        session.add(
+            PromotionDecision(
+                version=older,
+                incumbent_version=version,
+                outcome="rejected",
+                reason="superseded",
+                decided_by="trainer",
+                created_at=at,
+            )
+        )
+
+
+@dataclass(slots=True)
+class State:
+    mode: str = IMMEDIATE
+    pinned: int | None = None
+    incumbent: PolicyVersion | None = None  # the newest promoted version
+    canary: PolicyVersion | None = None
+    candidates: list[PolicyVersion] = field(default_factory=list)  # published, not yet in a canary, oldest first
+    promoted: list[int] = field(default_factory=list)  # every promoted version, newest first
+
+
+def read_state(db: sa.Engine) -> State:
+    with Session(db, expire_on_commit=False) as session:
+        control = session.get(PolicyControl, policy_control.ROW_ID)
+        rows = list(
+            session.scalars(
+                sa.select(PolicyVersion)
+                .where(PolicyVersion.stage.in_(("candidate", "canary", "promoted")))
+                .order_by(PolicyVersion.version.desc())
+            )
+        )
+    state = State(
+        mode=(control.promotion if control is not None else None) or IMMEDIATE,
+        pinned=control.pinned_version if control is not None else None,
+    )
+    for row in rows:
+        if row.stage == "promoted":
+            state.promoted.append(row.version)
+            state.incumbent = state.incumbent or row
+        elif row.stage == "canary":
+            state.canary = state.canary or row
+        else:
+            state.candidates.insert(0, row)
+    return state
+
+
+def move(
+    db: sa.Engine,
+    version: int,
+    *,
+    expect: Sequence[str],
+    to: str,
+    reason: str,
+    evidence: dict[str, Any] | None = None,
+    decided_by: str | None = None,
+    incumbent: int | None = None,
+    share: float | None = None,
+) -> bool:
+    """Move ``version`` from one of the ``expect`` stages to ``to`` and record why; False when another mover was
+    first (the stage was no longer one of ``expect``)."""
+    now = dt.datetime.now(dt.UTC)
+    values: dict[str, Any] = {"stage": to, "stage_at": now}
+    if share is not None:
+        values["canary_share"] = share
+    with Session(db) as session, session.begin():
+        done = session.execute(
+            sa.update(PolicyVersion)
+            .where(PolicyVersion.version == version, PolicyVersion.stage.in_(tuple(expect)))
+            .values(**values)
+        )
+        if done.rowcount != 1:  # type: ignore[attr-defined]
+            return False
+        session.add(
+            PromotionDecision(
+                version=version,
+                incumbent_version=incumbent,
+                outcome=to,
+                reason=reason,
+                evidence=evidence,
+                decided_by=decided_by,
+                created_at=now,
+            )
+        )
+    return True
+
+
+def decide_by_operator(db: sa.Engine, outcome: str, version: int | None, who: str = "operator") -> int:
+    """Promote or reject a candidate or canary (the newest undecided one when ``version`` is None); returns it."""
+    state = read_state(db)
+    undecided = [v.version for v in ([state.canary] if state.canary else []) + state.candidates]
+    if version is None:
+        if not undecided:
+            raise NotDecidable("no version is a candidate or in a canary")
+        version = max(undecided)
+    if version not in undecided:
+        raise NotDecidable(f"policy@v{version} is not a candidate or in a canary (undecided: {sorted(undecided)})")
+    to = "promoted" if outcome == "promote" else "rejected"
+    incumbent = state.incumbent.version if state.incumbent else None
+    if not move(db, version, expect=UNDECIDED, to=to, reason="operator", decided_by=who, incumbent=incumbent):
+        raise NotDecidable(f"policy@v{version} was decided meanwhile")
+    return version
+
+
+@dataclass(slots=True)
+class Evidence:
+    """Per arm (candidate, incumbent): reward samples (one per rewarded turn, one per rewarded task rollout) and
+    failure indicators (one per finished call: 1 failed, 0 ok)."""
+
+    rewards: tuple[list[float], list[float]] = field(default_factory=lambda: ([], []))
+    errors: tuple[list[float], list[float]] = field(default_factory=lambda: ([], []))
+
+
+def evidence(db: sa.Engine, candidate: int, incumbent: int | None, since: dt.datetime) -> Evidence:
+    """What each arm earned since the canary began. Cancelled calls (the client went away) are neither."""
+    arms = {candidate: 0} if incumbent is None else {candidate: 0, incumbent: 1}
+    out = Evidence()
+    with Session(db) as session:
+        rows = session.execute(
+            sa.select(Call.id, Call.policy_version, Call.status, Call.rollout_id, Rollout.group_key)
+            .join(Rollout, Rollout.id == Call.rollout_id)
+            .where(
+                Call.policy_version.in_(tuple(arms)),
+                Call.started_at >= since,
+                Call.status.in_(("ok", "failed")),
+            )
+        ).all()
+        turn_arm: dict[str, int] = {}
+        task_rollouts: dict[str, int] = {}
+        for call_id, version, status, rollout_id, group_key in rows:
+            arm = arms[int(version or 0)]
+            out.errors[arm].append(1.0 if status == "failed" else 0.0)
+            if status != "ok":
+                continue
+            if group_key is None:
+                turn_arm[call_id] = arm
+            else:
+                task_rollouts.setdefault(rollout_id, arm)  # a task run's reward is one sample of its arm
+        for call_id, reward in turn_rewards(session, turn_arm).items():
+            out.rewards[turn_arm[call_id]].append(reward.value)
+        latest: dict[str, float] = {}
+        ids = list(task_rollouts)
+        for i in range(0, len(ids), 500):
+            for rollout_id, value in session.execute(
+                sa.select(Reward.rollout_id, Reward.value)
+                .join(Rollout, Rollout.id == Reward.rollout_id)
+                .where(Reward.rollout_id.in_(ids[i : i + 500]), Reward.call_id.is_(None), Rollout.status == "completed")
+                .order_by(Reward.id)
+            ):
+                latest[rollout_id] = float(value)
+        for rollout_id, value in latest.items():
+            out.rewards[task_rollouts[rollout_id]].append(value)
+    return out
+
+
+def stage_of(db: sa.Engine, version: int) -> str | None:
+    with Session(db) as session:
+        return session.scalar(sa.select(PolicyVersion.stage).where(PolicyVersion.version == version))
+
+
+def newest_not_rejected(db: sa.Engine) -> int | None:
+    """The newest version whose weights a trainer may train on from (a rejected one's it must not)."""
+    with Session(db) as session:
+        return session.scalar(sa.select(sa.func.max(PolicyVersion.version)).where(PolicyVersion.stage != "rejected"))
+
+
+def decisions(db: sa.Engine, limit: int = 50, version: int | None = None) -> list[PromotionDecision]:
+    query = sa.select(PromotionDecision).order_by(PromotionDecision.id.desc()).limit(limit)
+    if version is not None:
+        query = query.where(PromotionDecision.version == version)
+    with Session(db, expire_on_commit=False) as session:
+        return list(session.scalars(query))
+
+
+def calls_per_version(db: sa.Engine, versions: Sequence[int], since: dt.datetime) -> dict[int, int]:
+    """Calls (ok or failed) each version served since ``since``."""
+    counts: dict[int, int] = defaultdict(int)
+    with Session(db) as session:
+        for version, n in session.execute(
+            sa.select(Call.policy_version, sa.func.count())
+            .where(Call.policy_version.in_(tuple(versions)), Call.started_at >= since)
+            .group_by(Call.policy_version)
+        ):
+            if version is not None:
+                counts[int(version)] = int(n)
+    return dict(counts)
+
+
+__all__ = [
+    "GUARDED",
+    "IMMEDIATE",
+    "UNDECIDED",
+    "Evidence",
+    "NotDecidable",
+    "State",
+    "calls_per_version",
+    "decide_by_operator",
+    "decisions",
+    "evidence",
+    "initial_stage",
+    "mode_in",
+    "move",
+    "newest_not_rejected",
+    "read_state",
+    "record_published",
+    "set_mode",
+    "stage_of",
+]
