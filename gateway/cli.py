@@ -37,6 +37,11 @@ SERVE_FLAGS = (
     "log_level",
     "tool_error_reward",
     "workers",
+    "promotion",
+    "canary_share",
+    "canary_min_turns",
+    "promotion_margin",
+    "canary_max_seconds",
 )
 
 
@@ -60,6 +65,31 @@ def serve_flags(p: argparse.ArgumentParser) -> None:
         "--tool-error-reward",
         type=float,
         help="reward of a turn whose tool results report a failure; 0 turns the rule off (CLAWGATE_TOOL_ERROR_REWARD)",
+    )
+
+    p.add_argument(
+        "--promotion",
+        choices=["guarded", "immediate"],
+        help="a newly trained version serves a canary and earns its traffic (guarded), or serves everything at once "
+        "(immediate); default: guarded in production, immediate in development (CLAWGATE_PROMOTION)",
+    )
+    p.add_argument(
+        "--canary-share", type=float, help="share of new conversations a candidate serves (CLAWGATE_CANARY_SHARE)"
+    )
+    p.add_argument(
+        "--canary-min-turns",
+        type=int,
+        help="rewarded samples per arm before a canary is decided (CLAWGATE_CANARY_MIN_TURNS)",
+    )
+    p.add_argument(
+        "--promotion-margin",
+        type=float,
+        help="how much lower a candidate's mean reward may be and still be promoted (CLAWGATE_PROMOTION_MARGIN)",
+    )
+    p.add_argument(
+        "--canary-max-seconds",
+        type=float,
+        help="a canary undecided this long gets CLAWGATE_CANARY_TIMEOUT_OUTCOME (CLAWGATE_CANARY_MAX_SECONDS)",
     )
 
 

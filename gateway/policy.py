@@ -31,6 +31,7 @@ import asyncio
 import datetime as dt
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -237,10 +238,12 @@ class PolicyFollower:
             return
         self.loaded.setdefault(version, name)
         previous = self.service.adapter
-        self.service.use_policy(name, version)
+        # The database says "current" before new calls go to it: what `clawgate policy list` shows is never behind
+        # what is served. Only the incumbent changes here; ``_route`` then settles the canary around it.
+        await asyncio.to_thread(mark_current, self.db, version, loaded_at)
+        self.service.use_routing(replace(self.service.routing, incumbent=Arm(name, version)))
         self.current = version
         self.last_swap_seconds = time.perf_counter() - t0
-        await asyncio.to_thread(mark_current, self.db, version, loaded_at)
         published = row.created_at.timestamp()
         self.metrics.policy_version.set(version)
         self.metrics.policy_swaps.inc()

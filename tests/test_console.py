@@ -4,8 +4,10 @@ A gateway on the tiny model serves task rollouts and everyday turns under three 
 way the trainer does and followed by the gateway), with rollout rewards, per-call feedback, a retried call and train
 steps. Then a browser: the console asks for the admin key (a wrong one is refused), every page loads with no console
 error, the charts are drawn from the data (one point per version that served rewarded turns), and a rollout's page
-shows its decoded calls, coloured tokens, rewards and the retry the tree filtered. Screenshots of every page land in
-the test's tmp dir (``screenshots/``).
+shows its decoded calls, coloured tokens, rewards and the retry the tree filtered. Under guarded promotion the versions
+page shows each version's stage, a running canary's arms (the same figures as ``GET /v1/policy``), the verdict so far
+and the decisions, and its buttons promote or reject the candidate. Screenshots of every page land in the test's tmp
+dir (``screenshots/``).
 """
 
 from __future__ import annotations
@@ -21,11 +23,15 @@ import httpx
 import pytest
 from sqlalchemy.orm import Session
 
-from gateway.dashboard import auth, charts
+from gateway.dashboard import auth, charts, routes
+from gateway.promotion.stats import ArmStats, Rule, decide
 from gateway.store.db import connect
 from gateway.store.models import TrainStep
+from gateway.store.policy_control import Control
 from tests.missing import missing
 from tests.policies import publish
+from tests.test_promotion import ADMIN as PROMOTION_ADMIN
+from tests.test_promotion import GUARDED, User, start_canary
 
 ADMIN_KEY = "console-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -252,6 +258,146 @@ def test_the_console_shows_what_serves_what_learns_and_what_happened(console, ch
         "login.png", "overview.png", "rewards.png", "rollout.png", "rollouts.png", "steps.png", "versions-pinned.png",
         "versions.png",
     ]  # fmt: skip
+
+
+@pytest.fixture
+def canary_console(gateway_factory, tiny_model_dir, tmp_path) -> Any:
+    """A guarded gateway serving v0 with v1 in a 50% canary that stays undecided (its minimum sample is out of reach),
+    and two-turn conversations with feedback until both arms have rewarded turns."""
+    gw = start_canary(gateway_factory, tiny_model_dir, tmp_path, canary_min_turns=10_000)
+    user = User(score={0: 0.8, 1: 0.4})
+    for _ in range(30):
+        user.converse([gw])
+        if len(user.versions) >= 4 and {v[0] for v in user.versions.values()} == {0, 1}:
+            break
+    assert {v[0] for v in user.versions.values()} == {0, 1}, "both arms served conversations"
+    gw.flush()
+    return gw
+
+
+def promotion_of(gw: Any) -> dict[str, Any]:
+    """What ``GET /v1/policy`` says of promotion (``gateway.promotion.status``, as the console computes it)."""
+    r = httpx.get(gw.v1 + "/policy", headers=PROMOTION_ADMIN, timeout=30)
+    assert r.status_code == 200, r.text
+    return dict(r.json()["promotion"])
+
+
+def test_the_versions_page_shows_a_running_canary_and_its_reject_button_ends_it(
+    canary_console, chromium_path, tmp_path
+):
+    from playwright.sync_api import sync_playwright
+
+    gw = canary_console
+    expected = promotion_of(gw)
+    arms = expected["arms"]
+    assert expected["stage"] == "canary" and arms["candidate"]["n"] > 0 and arms["incumbent"]["n"] > 0, expected
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium_path, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1300, "height": 900})
+        page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+        page.goto(gw.url + "/dashboard/versions")
+        page.fill("#key", GUARDED["admin_key"])
+        page.click("button[type=submit]")
+        assert page.url == gw.url + "/dashboard/versions"
+
+        def stage_of(version: int) -> str:
+            return page.inner_text(f'#policy-versions tr[data-version="{version}"] .stage')
+
+        assert (stage_of(0), stage_of(1)) == ("promoted", "canary")
+        assert page.inner_text("#promotion-mode") == "guarded" and page.inner_text("#incumbent") == "policy@v0"
+        assert page.inner_text("#canary-share") == "50%"
+        canary = page.inner_text("#canary")
+        assert "policy@v1" in canary and "policy@v0" in canary, canary
+        for arm in ("candidate", "incumbent"):
+            row = f'#canary-arms tr[data-arm="{arm}"]'
+            assert int(page.inner_text(row + " .arm-n").replace(",", "")) == arms[arm]["n"], arm
+            assert float(page.inner_text(row + " .arm-mean")) == pytest.approx(arms[arm]["mean"], rel=1e-2, abs=1e-3)
+        verdict = page.inner_text("#verdict")
+        assert "wait" in verdict and expected["verdict"]["reason"] in verdict, verdict
+        history = page.locator("#promotion-decisions tr")
+        assert [history.nth(i).get_attribute("data-outcome") for i in range(1, history.count())] == [
+            "canary",
+            "promoted",
+        ], "newest first: v1's canary, then v0 promoted as the first version"
+        started = history.nth(1).inner_text()
+        assert "canary started" in started and "policy@v1" in started and "50%" in started, started
+        shot = tmp_path / "versions-canary.png"
+        page.screenshot(path=str(shot), full_page=True)
+
+        page.click("#reject")
+        assert page.url == gw.url + "/dashboard/versions"
+        assert stage_of(1) == "rejected" and "No version awaits a decision" in page.inner_text("#promotion")
+        newest = history.nth(1)
+        assert newest.get_attribute("data-outcome") == "rejected" and "operator" in newest.inner_text()
+        page.screenshot(path=str(tmp_path / "versions-rejected.png"), full_page=True)
+        browser.close()
+    assert gw.state.service.routing.candidate is None and gw.state.service.policy_version == 0
+    assert not errors, errors
+    assert shot.stat().st_size > 0
+
+
+def test_the_versions_page_carries_the_canary_figures_and_promotes_from_its_form(canary_console):
+    gw = canary_console
+    with httpx.Client(base_url=gw.url, timeout=30) as client:
+        login = client.post("/dashboard/login", data={"key": GUARDED["admin_key"], "next": "/dashboard/versions"})
+        assert login.status_code == 303 and auth.COOKIE in client.cookies
+        html = client.get("/dashboard/versions").text
+        arms = promotion_of(gw)["arms"]
+        assert '<b id="canary-share">50%</b>' in html
+        for arm in ("candidate", "incumbent"):
+            assert f'<td class="num arm-n">{arms[arm]["n"]:,}</td>' in html, arm
+        assert '<span class="stage stage-canary">canary</span>' in html and "canary started" in html
+
+        promoted = client.post("/dashboard/policy/promote", data={"version": "1"})
+        assert promoted.status_code == 303 and promoted.headers["location"] == "/dashboard/versions"
+        assert gw.state.service.policy_version == 1, "the promoted candidate is the incumbent at once"
+        [newest, *_] = promotion_of(gw)["decisions"]
+        assert (newest["version"], newest["outcome"], newest["decided_by"]) == (1, "promoted", "operator")
+
+        again = client.post("/dashboard/policy/promote", data={"version": "1"}, follow_redirects=True)
+        assert again.status_code == 200 and 'role="alert"' in again.text
+        assert "policy@v1 is not a candidate or in a canary" in again.text
+
+
+def test_a_decision_on_evidence_shows_both_arms_and_every_text_is_escaped():
+    rule = Rule(margin=0.1, min_n=10)
+    verdict = decide(
+        (ArmStats.of([0.5] * 12), ArmStats.of([0.4, 0.6] * 7)),
+        (ArmStats.of([0.0] * 12), ArmStats.of([0.0] * 14)),
+        rule,
+        60.0,
+    )
+    assert verdict.outcome == "promote"
+    at = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
+    decisions = [
+        {"version": 2, "incumbent_version": 1, "outcome": "promoted", "reason": verdict.reason,
+         "evidence": verdict.evidence, "decided_by": "<gw-a>", "created_at": at.isoformat()},
+        {"version": 1, "incumbent_version": None, "outcome": "promoted", "reason": "first version", "evidence": None,
+         "decided_by": "trainer", "created_at": at.isoformat()},
+    ]  # fmt: skip
+    promo = {"mode": "guarded", "incumbent": 2, "pinned_version": None, "candidate": None, "stage": None}
+    html = (
+        routes.templates()
+        .get_template("versions.html")
+        .render(
+            served_model="<tiny>",
+            policy={"adapter": "policy@v2", "version": 2},
+            title="Versions",
+            versions=[],
+            control=Control(),
+            promo=promo,
+            canary_since=None,
+            decisions=[routes._decision_view(d) for d in decisions],
+            error="<b>bad</b>",
+        )
+    )
+    assert '<td class="num">12 / 14</td>' in html and '<td class="num">0.5 / 0.5</td>' in html
+    assert html.count('<td class="num muted">—</td>') == 2, "the first version's decision has no evidence"
+    assert "5 min ago" in html and "No version awaits a decision" in html
+    assert "&lt;gw-a&gt;" in html and "&lt;tiny&gt;" in html and "&lt;b&gt;bad&lt;/b&gt;" in html
+    assert "<gw-a>" not in html and "<b>bad</b>" not in html
 
 
 def test_a_forged_or_expired_session_is_refused():

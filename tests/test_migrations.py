@@ -26,6 +26,7 @@ TABLES = {
     "policy_control",
     "stored_responses",
     "gateway_adapters",
+    "promotion_decisions",
 }
 
 

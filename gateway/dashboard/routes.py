@@ -3,9 +3,10 @@
 Pages: overview (what serves, traffic, capture, backlog, the trainer's last step), rewards per policy version and
 per task × harness, train-step charts, a filterable rollout table, one rollout in full (decoded prompts and
 completions, per-token logprobs, rewards with their reasons, the prefix tree with what was filtered and why), and
-the policy versions. Every query runs on a thread; the pages are plain HTML with inline SVG charts and no script,
-so they work offline. Login: a form takes the admin key once and sets a signed, HttpOnly session cookie
-(``auth.py``); without an admin key (development only) the console is open, like the admin API.
+the policy versions with their promotion stages (a running canary's arms and verdict, the decisions so far). Every
+query runs on a thread; the pages are plain HTML with inline SVG charts and no script, so they work offline. Login:
+a form takes the admin key once and sets a signed, HttpOnly session cookie (``auth.py``); without an admin key
+(development only) the console is open, like the admin API.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from gateway.api import policy as policy_api
 from gateway.api.deps import State
 from gateway.dashboard import auth, charts
-from gateway.errors import NotFound
+from gateway.errors import Conflict, NotFound
+from gateway.promotion.promoter import rule_of
+from gateway.promotion.status import status as promotion_status
 from gateway.state import AppState
-from gateway.store import console, policy_control, rollout_lifecycle
+from gateway.store import console, policy_control, promotion, rollout_lifecycle
 from gateway.store.readiness import training_counts
 from gateway.store.training_data import load_rollout
 
@@ -319,17 +322,41 @@ def _rollout_view(state: AppState, rollout_id: str) -> dict[str, Any]:
 async def versions_page(request: Request, state: State, error: str | None = None) -> Response:
     if not logged_in(request, state):
         return _to_login(request)
-    versions, control = await asyncio.gather(
-        asyncio.to_thread(console.versions, state.db), asyncio.to_thread(policy_control.read, state.db)
+    versions, control, promo = await asyncio.gather(
+        asyncio.to_thread(console.versions, state.db),
+        asyncio.to_thread(policy_control.read, state.db),
+        asyncio.to_thread(promotion_status, state.db, rule_of(state.settings)),
     )
     return render(
-        state, "versions.html", title="Versions", versions=list(reversed(versions)), control=control, error=error
+        state,
+        "versions.html",
+        title="Versions",
+        versions=list(reversed(versions)),
+        control=control,
+        promo=promo,
+        canary_since=dt.datetime.fromisoformat(promo["canary_started_at"]) if promo["canary_started_at"] else None,
+        decisions=[_decision_view(d) for d in promo["decisions"]],
+        error=error,
     )
+
+
+def _decision_view(decision: dict[str, Any]) -> dict[str, Any]:
+    """A decision as the history table shows it: its time back as a datetime, and each arm's n and mean when the
+    decision was taken on evidence (a canary's start and an operator's decision carry none)."""
+    evidence = decision["evidence"] or {}
+    arms = {arm: evidence.get(arm) for arm in ("candidate", "incumbent")}
+    return {
+        **decision,
+        "created_at": dt.datetime.fromisoformat(decision["created_at"]),
+        "arms": arms if all(isinstance(a, dict) for a in arms.values()) else None,
+        "share": evidence.get("share"),
+    }
 
 
 @router.post("/dashboard/policy/{action}")
 async def policy_action(request: Request, state: State, action: str) -> Response:
-    """The versions page's buttons: pin, unpin, roll back (the same changes as ``/v1/policy/...``)."""
+    """The versions page's buttons: pin, unpin, roll back, promote or reject a candidate (the same changes as
+    ``/v1/policy/...``)."""
     if not logged_in(request, state):
         return _to_login(request)
     form = parse_qs((await request.body()).decode("utf-8", "replace"))
@@ -340,9 +367,11 @@ async def policy_action(request: Request, state: State, action: str) -> Response
             await policy_api.apply(state, policy_control.unpin)
         elif action in changes and raw.isdigit():
             await policy_api.apply(state, changes[action], int(raw))
+        elif action in ("promote", "reject") and raw.isdigit():
+            await policy_api.apply(state, promotion.decide_by_operator, action, int(raw))
         else:
             raise NotFound(f"no policy action {action!r} for version {raw!r}")
-    except NotFound as exc:
+    except (NotFound, Conflict) as exc:
         return RedirectResponse("/dashboard/versions?" + urlencode({"error": exc.message}), status_code=303)
     return RedirectResponse("/dashboard/versions", status_code=303)
 
