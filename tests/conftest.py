@@ -20,6 +20,19 @@ from gateway.store import db
 from tests.missing import missing
 
 
+def _hypothesis_profiles() -> None:
+    """Property tests print the seed that reproduces a failure; CI (and ./dev test) runs a fixed, derandomized
+    profile, so a red run is reproducible and a green one is not luck."""
+    from hypothesis import settings
+
+    settings.register_profile("ci", derandomize=True, print_blob=True, database=None)
+    settings.register_profile("dev", print_blob=True)
+    settings.load_profile("ci" if os.environ.get("CI") or os.environ.get("CLAWGATE_TEST_STRICT") else "dev")
+
+
+_hypothesis_profiles()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
