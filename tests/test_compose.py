@@ -269,6 +269,7 @@ def test_env_example_gives_valid_settings_for_every_service(monkeypatch: pytest.
         gateway = gateway_cli.serve_settings(cli.build_parser().parse_args(services["gateway"]["command"]))
     assert gateway.environment == "production" == example["CLAWGATE_ENVIRONMENT"]
     assert gateway.engine == "vllm"
+    assert gateway.promotion_mode == "guarded" and gateway.canary_share == 0.1, "a self-hosted stack guards promotion"
     assert gateway.api_keys == env["CLAWGATE_API_KEYS"].split(",")
     assert gateway.admin_key is not None and gateway.admin_key.get_secret_value() == env["CLAWGATE_ADMIN_KEY"]
     assert gateway.host == "0.0.0.0"

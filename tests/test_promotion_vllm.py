@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 
 from tests.policies import publish
-from tests.test_promotion import ADMIN, GUARDED, User, assert_one_arm_per_conversation, decisions, stage, wait_for
+from tests.test_promotion import ADMIN, GUARDED, User, assert_one_arm_per_conversation, converse_until_decided, wait_for
 
 
 def greedy(vllm_url: str, adapter: str, prompt: list[int], n: int) -> list[int]:
@@ -44,12 +44,8 @@ def test_a_worse_candidate_on_vllm_is_rejected_and_each_arm_serves_its_own_weigh
     assert {"policy@v0", "policy@v1"} <= {m["id"] for m in loaded}, "both arms loaded in vLLM at once"
 
     user = User(score={0: 1.0, 1: 0.4}, noise=0.2)
-    for _ in range(50):
-        user.converse([gw])
-        if stage(url, 1) != "canary":
-            break
-    assert stage(url, 1) == "rejected"
-    decision = next(d for d in decisions(url, 1) if d.outcome == "rejected")
+    decision = converse_until_decided(user, gw, 1, conversations=50)
+    assert decision.outcome == "rejected"
     assert decision.reason.startswith("evidence: the candidate is worse"), decision.reason
     assert_one_arm_per_conversation(user, 1, 0.5, decision.created_at.timestamp())
 
