@@ -42,6 +42,12 @@ class TcpProxy:
                 continue
             upstream.settimeout(None)
             with self._lock:
+                # A connection accepted just before a cut (its upstream still connecting) would otherwise miss the
+                # cut and carry a pooled database connection through the whole "outage".
+                if self._listener is not listener:
+                    for s in (client, upstream):
+                        s.close()
+                    return
                 self._open |= {client, upstream}
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
@@ -61,13 +67,14 @@ class TcpProxy:
                 self._open -= {source, sink}
 
     def cut(self) -> None:
-        if self._listener is not None:
+        with self._lock:
+            listener, self._listener = self._listener, None
+        if listener is not None:
             # shutdown() first: close() alone does not wake the thread blocked in accept(), which would go on
             # accepting connections on the old socket.
             with contextlib.suppress(OSError):
-                self._listener.shutdown(socket.SHUT_RDWR)
-            self._listener.close()
-            self._listener = None
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
         with self._lock:
             sockets, self._open = list(self._open), set()
         for s in sockets:
