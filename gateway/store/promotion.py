@@ -11,7 +11,6 @@ gateways write it, the trainer reads it when it publishes.
 from __future__ import annotations
 
 import datetime as dt
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -247,20 +246,6 @@ def decisions(db: sa.Engine, limit: int = 50, version: int | None = None) -> lis
         return list(session.scalars(query))
 
 
-def calls_per_version(db: sa.Engine, versions: Sequence[int], since: dt.datetime) -> dict[int, int]:
-    """Calls (ok or failed) each version served since ``since``."""
-    counts: dict[int, int] = defaultdict(int)
-    with Session(db) as session:
-        for version, n in session.execute(
-            sa.select(Call.policy_version, sa.func.count())
-            .where(Call.policy_version.in_(tuple(versions)), Call.started_at >= since)
-            .group_by(Call.policy_version)
-        ):
-            if version is not None:
-                counts[int(version)] = int(n)
-    return dict(counts)
-
-
 __all__ = [
     "GUARDED",
     "IMMEDIATE",
@@ -268,7 +253,6 @@ __all__ = [
     "Evidence",
     "NotDecidable",
     "State",
-    "calls_per_version",
     "decide_by_operator",
     "decisions",
     "evidence",
