@@ -12,10 +12,12 @@ dir (``screenshots/``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +145,22 @@ def chromium_path() -> str:
     return CHROMIUM
 
 
+@contextlib.contextmanager
+def browser_page(chromium_path: str, errors: list[str]) -> Iterator[Any]:
+    """A page of headless Debian chromium that appends the page's script and console errors to ``errors``."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium_path, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1300, "height": 900})
+        page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+        try:
+            yield page
+        finally:
+            browser.close()
+
+
 @pytest.fixture
 def console(gateway_factory, tiny_model_dir, tmp_path) -> Any:
     adapters = tmp_path / "adapters"
@@ -163,17 +181,10 @@ def console(gateway_factory, tiny_model_dir, tmp_path) -> Any:
 
 
 def test_the_console_shows_what_serves_what_learns_and_what_happened(console, chromium_path, tmp_path):
-    from playwright.sync_api import sync_playwright
-
     shots = tmp_path / "screenshots"
     shots.mkdir()
     errors: list[str] = []
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium_path, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1300, "height": 900})
-        page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
-        page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
-
+    with browser_page(chromium_path, errors) as page:
         # Login is required: the console sends the browser to the form, and a wrong key is refused.
         page.goto(console.url + "/dashboard/rollouts")
         assert page.url.startswith(console.url + "/dashboard/login")
@@ -252,7 +263,6 @@ def test_the_console_shows_what_serves_what_learns_and_what_happened(console, ch
         page.click("header button")
         page.goto(console.url + "/dashboard")
         assert page.url.startswith(console.url + "/dashboard/login")
-        browser.close()
     assert not errors, errors
     assert sorted(p.name for p in shots.iterdir()) == [
         "login.png", "overview.png", "rewards.png", "rollout.png", "rollouts.png", "steps.png", "versions-pinned.png",
@@ -285,18 +295,12 @@ def promotion_of(gw: Any) -> dict[str, Any]:
 def test_the_versions_page_shows_a_running_canary_and_its_reject_button_ends_it(
     canary_console, chromium_path, tmp_path
 ):
-    from playwright.sync_api import sync_playwright
-
     gw = canary_console
     expected = promotion_of(gw)
     arms = expected["arms"]
     assert expected["stage"] == "canary" and arms["candidate"]["n"] > 0 and arms["incumbent"]["n"] > 0, expected
     errors: list[str] = []
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium_path, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1300, "height": 900})
-        page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
-        page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+    with browser_page(chromium_path, errors) as page:
         page.goto(gw.url + "/dashboard/versions")
         page.fill("#key", GUARDED["admin_key"])
         page.click("button[type=submit]")
@@ -332,7 +336,6 @@ def test_the_versions_page_shows_a_running_canary_and_its_reject_button_ends_it(
         newest = history.nth(1)
         assert newest.get_attribute("data-outcome") == "rejected" and "operator" in newest.inner_text()
         page.screenshot(path=str(tmp_path / "versions-rejected.png"), full_page=True)
-        browser.close()
     assert gw.state.service.routing.candidate is None and gw.state.service.policy_version == 0
     assert not errors, errors
     assert shot.stat().st_size > 0
