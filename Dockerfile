@@ -6,8 +6,19 @@
 #
 #   docker build -t clawgate .
 #   docker run --rm -p 8080:8080 clawgate         # demo: SQLite and the tiny CPU model, built at first start
+#
+# Build arguments (the defaults build the image users run):
+#   BASE_IMAGE         the Python 3.11 image to build on (default python:3.11-slim). Any image with `python` and
+#                      `pip` first on PATH and `useradd` will do: the test suite builds on one made from Debian's
+#                      packages where no registry can be reached (tests/test_image.py).
+#   TORCH_REQUIREMENT  the torch requirement pip installs first (default: the `train` extra's bounds, which on
+#                      Linux resolve to a CUDA build); e.g. "torch==2.13.0+cpu" for a CPU-only image.
+#   TORCH_PIP_OPTIONS  extra options of that one `pip install` (empty by default), for a wheel that is not on the
+#                      index: e.g. "--index-url https://download.pytorch.org/whl/cpu", or "--find-links URL
+#                      --trusted-host HOST" for a folder of wheels served over plain HTTP.
 
-FROM python:3.11-slim
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -22,7 +33,8 @@ RUN useradd --create-home --uid 1000 --user-group clawgate \
 
 # The default PyPI Linux wheel of torch is a CUDA build. Same bounds as the `train` extra in pyproject.toml.
 ARG TORCH_REQUIREMENT="torch>=2.4,<=2.14.1"
-RUN pip install "${TORCH_REQUIREMENT}"
+ARG TORCH_PIP_OPTIONS=""
+RUN pip install ${TORCH_PIP_OPTIONS} "${TORCH_REQUIREMENT}"
 
 WORKDIR /src
 COPY pyproject.toml ./

@@ -46,7 +46,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.scripted_vllm import scripted_vllm  # noqa: E402
 from clawgate.tiny_model import build_tiny_model  # noqa: E402
-from gateway.engines.vllm_server import VLLMServer, find_vllm_python, free_port  # noqa: E402
+from gateway.engines.managed import free_port  # noqa: E402
+from gateway.engines.vllm_server import VLLMServer, find_vllm_python  # noqa: E402
 from gateway.store import db  # noqa: E402
 
 MESSAGES = [

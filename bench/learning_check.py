@@ -101,7 +101,7 @@ def one_rollout(
 
 
 def run(model: Path, *, steps: int, lr: float, seed: int, prompts: int, group: int, max_tokens: int,
-        target_size: int, workdir: Path, log: bool = True) -> list[float]:
+        target_size: int, workdir: Path, log: bool = True, algorithm: str = "grpo") -> list[float]:
     rng = random.Random(seed)
     url = f"sqlite:///{workdir / f'run-{seed}-{lr}.db'}"
     db.upgrade(url)
@@ -120,10 +120,13 @@ def run(model: Path, *, steps: int, lr: float, seed: int, prompts: int, group: i
         targets = set(rng.sample(vocab, target_size))
         texts = [f"Write item {rng.randrange(10_000)} of the list." for _ in range(prompts)]
         trainer = Trainer(TrainConfig(model=str(model), database_url=url, adapter_dir=adapters, lr=lr, seed=seed,
-                                      max_rollouts=prompts * group), engine)
+                                      max_rollouts=prompts * group, algorithm=algorithm), engine)
         gw.serve_version(0)
         curve = []
-        with httpx.Client(base_url=gw.url, timeout=120) as client, \
+        # Idle connections are dropped before the server's keep-alive (5 s) ends them: a trainer step between two
+        # rounds of calls is longer, and a request sent on a connection the server is closing fails.
+        limits = httpx.Limits(keepalive_expiry=1.0)
+        with httpx.Client(base_url=gw.url, timeout=120, limits=limits) as client, \
                 concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
             for step in range(steps):
                 # Seeded samples: the same policy gives the same rollouts, so a run is repeatable.
@@ -155,6 +158,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--target-size", type=int, default=50)
     ap.add_argument("--no-control", action="store_true", help="skip the learning-rate-0 control")
+    ap.add_argument("--algorithm", choices=["grpo", "ppo"], default="grpo",
+                    help="ppo: a value head and GAE per branch (the same as --advantage critic)")
     args = ap.parse_args()
     from clawgate.tiny_model import build_tiny_model
 
@@ -165,7 +170,8 @@ def main() -> int:
         for seed in args.seeds:
             for lr in ([args.lr] if args.no_control else [args.lr, 0.0]):
                 curve = run(model, steps=args.steps, lr=lr, seed=seed, prompts=args.prompts, group=args.group,
-                            max_tokens=args.max_tokens, target_size=args.target_size, workdir=work)
+                            max_tokens=args.max_tokens, target_size=args.target_size, workdir=work,
+                            algorithm=args.algorithm)
                 k = max(1, len(curve) // 5)
                 print(f"seed {seed} lr {lr:g}: first {k} steps {sum(curve[:k]) / k:.3f} -> last {k} steps "
                       f"{sum(curve[-k:]) / k:.3f}  curve " + " ".join(f"{c:.2f}" for c in curve), flush=True)

@@ -195,7 +195,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from clawgate.tiny_model import build_tiny_model
-    from gateway.engines.vllm_server import free_port
+    from gateway.engines.managed import free_port
     from gateway.store import db
 
     tmp = Path(tempfile.mkdtemp(prefix="clawgate-plen-"))

@@ -28,11 +28,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gateway.conversation import Message, ToolCall, prefix_hashes  # noqa: E402
+from gateway.core.conversation import Message, ToolCall, prefix_hashes  # noqa: E402
+from gateway.core.render import Renderer, Splice  # noqa: E402
 from gateway.model_files import load_tokenizer  # noqa: E402
-from gateway.protocol.openai import ChatCompletionRequest  # noqa: E402
-from gateway.render import Renderer, Splice  # noqa: E402
-from gateway.serving import chat  # noqa: E402
+from gateway.protocols.openai import chat  # noqa: E402
+from gateway.protocols.openai.wire import ChatCompletionRequest  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "harness-requests" / "openclaw" / "01-chat-completions-after-tool-result.json"
 

@@ -46,7 +46,8 @@ import sqlalchemy as sa
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gateway.engines.vllm_server import VLLMServer, find_vllm_python, free_port  # noqa: E402
+from gateway.engines.managed import free_port  # noqa: E402
+from gateway.engines.vllm_server import VLLMServer, find_vllm_python  # noqa: E402
 
 SESSION_HEADER = "X-Session-Id"
 SYSTEM = (

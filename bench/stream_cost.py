@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from bench.prompt_length import proc_cpu  # noqa: E402
 from bench.scripted_vllm import scripted_vllm  # noqa: E402
 from clawgate.tiny_model import build_tiny_model  # noqa: E402
-from gateway.engines.vllm_server import free_port  # noqa: E402
+from gateway.engines.managed import free_port  # noqa: E402
 from gateway.store import db  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write a long story."}]

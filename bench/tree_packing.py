@@ -38,8 +38,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gateway.conversation import Message, ToolCall, ToolSpec  # noqa: E402
-from gateway.render import Renderer  # noqa: E402
+from gateway.core.conversation import Message, ToolCall, ToolSpec  # noqa: E402
+from gateway.core.render import Renderer  # noqa: E402
 from prefix_tree import CallView, RolloutTree, TreeConfig, build_tree  # noqa: E402
 from trainer.batch import PackedBatch, pack_trees  # noqa: E402
 from trainer.logprobs import sequence_logprobs  # noqa: E402
@@ -70,20 +70,20 @@ def conversation(path: Path) -> tuple[list[Message], list[ToolSpec], str]:
     body, endpoint = capture["body"], capture["path"]
     answer = str(capture.get("_response", {}).get("text") or "done")
     if endpoint.endswith("/messages"):
-        from gateway.protocol.anthropic import MessagesRequest
-        from gateway.serving import messages as anthropic
+        from gateway.protocols.anthropic import serving as anthropic
+        from gateway.protocols.anthropic.wire import MessagesRequest
 
         req = MessagesRequest.model_validate(body)
         return anthropic.to_messages(req), anthropic.to_tools(req.tools), answer
     if endpoint.endswith("/responses"):
-        from gateway.protocol.responses import ResponsesRequest
-        from gateway.serving import responses
+        from gateway.protocols.responses import serving as responses
+        from gateway.protocols.responses.wire import ResponsesRequest
 
         rreq = ResponsesRequest.model_validate(body)
         items = rreq.input if isinstance(rreq.input, list) else []
         return responses.to_messages(items), responses.to_tools(rreq.tools), answer
-    from gateway.protocol.openai import ChatCompletionRequest
-    from gateway.serving import chat as openai
+    from gateway.protocols.openai import chat as openai
+    from gateway.protocols.openai.wire import ChatCompletionRequest
 
     creq = ChatCompletionRequest.model_validate(body)
     tools = [ToolSpec(t.function.name, t.function.description, t.function.parameters) for t in creq.tools or []]

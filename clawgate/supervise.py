@@ -4,8 +4,8 @@ Training is torch work that holds the GIL for seconds at a time; in the serving 
 stream. The reward worker (`clawgate judge`) imports LiteLLM and decodes long prompts; it too stays out of the
 serving process. So `clawgate up` runs `clawgate train` and `clawgate judge` as children with the same settings
 (passed as ``CLAWGATE_*`` variables), restarts one that dies with a capped backoff (a crash mid-step or mid-turn
-is safe: see ``trainer/publish.py`` and ``rewards/claims.py``), and stops them with SIGTERM (then SIGKILL) when
-the gateway exits.
+is safe: see ``trainer/publish.py`` and ``gateway/store/judgements.py``), and stops them with SIGTERM (then
+SIGKILL) when the gateway exits.
 """
 
 from __future__ import annotations

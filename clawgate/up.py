@@ -34,6 +34,7 @@ UP_SETTINGS = (*SERVE_FLAGS, *TRAIN_FLAGS, *JUDGE_FLAGS)
 def cmd_up(args: argparse.Namespace) -> int:
     """Embedded mode: migrate, build the tiny model if needed, start the trainer (a supervised child process,
     so training never holds the serving process's GIL) and a managed vLLM server when asked, then serve."""
+    from gateway.app import redact_url
     from gateway.store import db
 
     settings = from_flags(args, UP_SETTINGS)
@@ -51,7 +52,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if not tiny and settings.engine == "local" and not model_dir.exists() and local_path:
         print(f"error: model folder {model_dir} does not exist", file=sys.stderr)
         return 2
-    print(f"migrating {settings.database_url} ...", file=sys.stderr)
+    print(f"migrating {redact_url(settings.database_url)} ...", file=sys.stderr)
     db.upgrade(settings.database_url)
     vllm = None
     if settings.engine == "vllm" and "vllm_url" not in settings.model_fields_set:
@@ -63,6 +64,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             threads = trainer_threads_beside_vllm()
             settings = settings.model_copy(update={"train_threads": threads})
             print(f"the trainer uses {threads} CPU thread(s) beside the vLLM server (--threads)", file=sys.stderr)
+    if settings.eval_gate_tasks is not None and settings.gateway_url is None:
+        # The trainer's evaluation gate runs its suite through this gateway.
+        host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+        settings = settings.model_copy(update={"gateway_url": f"http://{host}:{settings.port}"})
     children = []
     if not args.no_train:
         children.append(ChildProcess(settings, "train"))
@@ -94,7 +99,8 @@ def trainer_threads_beside_vllm() -> int:
 
 
 def _start_vllm(settings: Settings) -> VLLMServer | None:
-    from gateway.engines.vllm_server import VLLMServer, VLLMServerError, find_vllm_python
+    from gateway.engines.managed import VLLMServerError
+    from gateway.engines.vllm_server import VLLMServer, find_vllm_python
 
     python = find_vllm_python(settings.vllm_python)
     if python is None:

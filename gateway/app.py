@@ -19,8 +19,10 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
+import sqlalchemy as sa
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -29,17 +31,18 @@ from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import __version__
-from gateway.api import anthropic as anthropic_api
 from gateway.api import docs as docs_api
-from gateway.api import openai as openai_api
 from gateway.api import policy as policy_api
-from gateway.api import responses as responses_api
 from gateway.api import rollouts as rollouts_api
 from gateway.api import system as system_api
+from gateway.core.render import Renderer
+from gateway.core.response_store import ResponseStore
+from gateway.core.service import ChatService
+from gateway.core.sessions import SessionIndex
 from gateway.dashboard import routes as console_routes
 from gateway.end_of_turn import end_token_ids, generation_eos_ids
 from gateway.engines.base import Engine
-from gateway.errors import APIError, BadRequest, EngineUnavailable
+from gateway.errors import APIError, BadRequest, EngineUnavailable, NotFound
 from gateway.faults import Fault, describe
 from gateway.limits import BodyLimit
 from gateway.logs import setup_logging
@@ -47,14 +50,13 @@ from gateway.metrics import Metrics
 from gateway.model_files import load_tokenizer
 from gateway.policy import PolicyFollower
 from gateway.promotion.promoter import Promoter
-from gateway.render import Renderer
-from gateway.response_store import ResponseStore
-from gateway.service import ChatService
-from gateway.sessions import SessionIndex
+from gateway.protocols.anthropic import routes as anthropic_routes
+from gateway.protocols.openai import routes as openai_routes
+from gateway.protocols.responses import routes as responses_routes
 from gateway.settings import Settings
 from gateway.state import AppState
 from gateway.store import adapter_leases, db, promotion, rollout_lifecycle, spool
-from gateway.store.errors import is_transient
+from gateway.store.errors import InvalidInput, RecordNotFound, is_transient
 from gateway.store.writer import CallWriter
 
 log = logging.getLogger("clawgate")
@@ -77,10 +79,14 @@ def make_engine(settings: Settings, tokenizer: Any) -> Engine:
         eos_token_ids=sorted(end_ids),
         replicas=settings.vllm_replicas,
         stream_interval=settings.vllm_stream_interval,
+        # Guarded promotion serves the incumbent and a candidate side by side: vLLM must batch both adapters.
+        min_loras=2 if settings.policy_follow and settings.promotion_mode == "guarded" else 1,
     )
 
 
-async def close_idle_sessions(store: Any, writer: CallWriter, service: ChatService, idle_seconds: float) -> None:
+async def close_idle_sessions(
+    database: sa.Engine, writer: CallWriter, service: ChatService, idle_seconds: float
+) -> None:
     """Finish implicit and harness-session rollouts nobody has used for ``idle_seconds`` (they have no explicit end),
     and learn which ones other gateway processes finished (so none of their conversations is extended here)."""
     interval = min(60.0, idle_seconds / 4)
@@ -92,10 +98,10 @@ async def close_idle_sessions(store: Any, writer: CallWriter, service: ChatServi
             continue  # the writer reports the outage; closing must wait until the calls before it are stored
         try:
             await writer.flush()
-            closed = await asyncio.to_thread(rollout_lifecycle.close_idle, store, idle_seconds)
+            closed = await asyncio.to_thread(rollout_lifecycle.close_idle, database, idle_seconds)
             # Overlapping windows: a close committed while the last look ran is not missed.
             looked, since = since, datetime.now(UTC) - timedelta(seconds=interval)
-            service.close_rollouts(await asyncio.to_thread(rollout_lifecycle.closed_since, store, looked))
+            service.close_rollouts(await asyncio.to_thread(rollout_lifecycle.closed_since, database, looked))
         except Exception as exc:  # the database may be down; try again later
             fault.failed(describe(exc), exc)
             continue
@@ -105,7 +111,7 @@ async def close_idle_sessions(store: Any, writer: CallWriter, service: ChatServi
             log.info("closed %d idle session rollout(s)", len(closed))
 
 
-async def report_adapters(store: Any, gateway_id: str, service: ChatService, interval: float) -> None:
+async def report_adapters(database: sa.Engine, gateway_id: str, service: ChatService, interval: float) -> None:
     """Heartbeat the adapters this gateway serves or runs calls on, so no other gateway unloads them."""
     fault = Fault(log, "adapter heartbeat: cannot report the adapters in use")
     reported: set[str] | None = None
@@ -116,7 +122,7 @@ async def report_adapters(store: Any, gateway_id: str, service: ChatService, int
             await asyncio.sleep(interval)
             continue
         try:
-            await asyncio.to_thread(adapter_leases.heartbeat, store, gateway_id, in_use)
+            await asyncio.to_thread(adapter_leases.heartbeat, database, gateway_id, in_use)
         except Exception as exc:
             fault.failed(describe(exc), exc)
         else:
@@ -125,12 +131,18 @@ async def report_adapters(store: Any, gateway_id: str, service: ChatService, int
         await asyncio.sleep(interval)
 
 
+# Query parameters that carry a password (libpq reads both from a URL's query too).
+SECRET_QUERY_KEYS = ("password", "sslpassword")
+
+
 def redact_url(url: str) -> str:
-    """The URL without its password, for logs and error messages."""
+    """The URL without its password (in its user part or its query), for logs and error messages."""
     from sqlalchemy.engine import make_url
 
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        parsed = make_url(url)
+        hidden = {key: "***" for key in parsed.query if key.lower() in SECRET_QUERY_KEYS}
+        return (parsed.update_query_dict(hidden) if hidden else parsed).render_as_string(hide_password=True)
     except Exception:
         return "<unparsable url>"
 
@@ -142,75 +154,155 @@ def app_from_environment() -> FastAPI:
     return build_app(settings)
 
 
+def check_database(settings: Settings) -> None:
+    """Refuse to start on a database whose schema is not at this gateway's head revision."""
+    current = db.current_revision(settings.database_url)
+    head = db.head_revision()
+    if current != head:
+        raise RuntimeError(
+            f"database schema is at {current or 'nothing'}, expected {head}: run `clawgate db upgrade` "
+            f"(database {redact_url(settings.database_url)})"
+        )
+
+
+def warn_if_open(settings: Settings) -> None:
+    if not settings.api_keys:
+        log.warning(
+            "CLAWGATE_API_KEYS is not set: the API is open to anyone who can reach %s:%s",
+            settings.host,
+            settings.port,
+        )
+
+
+async def start_writer(settings: Settings, database: sa.Engine, spool_dir: Path) -> CallWriter:
+    """The capture writer, started (it spools to ``spool_dir`` while the database is down)."""
+    writer = CallWriter(
+        database,
+        spool_dir=spool_dir,
+        batch_size=settings.capture_batch_size,
+        flush_interval=settings.capture_flush_interval,
+        max_queue=settings.capture_max_queue,
+        synchronous_commit=settings.capture_synchronous_commit,
+    )
+    await writer.start()
+    return writer
+
+
+def serving_state(
+    settings: Settings, eng: Engine, tok: Any, database: sa.Engine, writer: CallWriter, metrics: Metrics
+) -> AppState:
+    """The chat service and everything routes need, around a started engine and writer."""
+    renderer = Renderer(tok)
+    cache_idle = min(settings.session_cache_idle, settings.session_idle_timeout)
+    index = SessionIndex(max_tokens=settings.session_index_tokens, max_idle_s=cache_idle)
+    service = ChatService(
+        engine=eng,
+        tokenizer=tok,
+        renderer=renderer,
+        index=index,
+        writer=writer,
+        metrics=metrics,
+        max_tokens_cap=settings.max_tokens,
+        max_in_flight=settings.max_concurrent_calls,
+        parser=settings.parser,
+        db=database,
+        durable_capture=settings.capture_durable,
+        tool_error_reward=settings.tool_error_reward,
+        session_idle_timeout=settings.session_idle_timeout,
+    )
+    names = {settings.model_name, *(a for a in settings.model_aliases if a != "*")}
+    return AppState(
+        settings=settings,
+        engine=eng,
+        tokenizer=tok,
+        renderer=renderer,
+        index=index,
+        writer=writer,
+        metrics=metrics,
+        service=service,
+        model_names=frozenset(names),
+        accept_any_model="*" in settings.model_aliases,
+        started_at=time.time(),
+        db=database,
+        responses=ResponseStore(
+            max_responses=settings.responses_store_size,
+            db=database,
+            # Without durable capture another process commits a response within its flush interval.
+            miss_wait_s=0.0 if settings.capture_durable else 1.0,
+        ),
+    )
+
+
+def start_loops(state: AppState, gateway_id: str) -> list[asyncio.Task[None]]:
+    """The idle-session closer and the adapter heartbeat, running."""
+    settings, database = state.settings, state.db
+    return [
+        asyncio.create_task(close_idle_sessions(database, state.writer, state.service, settings.session_idle_timeout)),
+        asyncio.create_task(report_adapters(database, gateway_id, state.service, settings.adapter_heartbeat_interval)),
+    ]
+
+
+async def start_follower(state: AppState, gateway_id: str) -> asyncio.Task[None]:
+    """Follow the trainer's published versions (``state.policy``): synced once now, then its loop, running."""
+    settings, database, metrics = state.settings, state.db, state.metrics
+    promoter = Promoter(settings, database, gateway_id, metrics)
+    try:
+        before = await asyncio.to_thread(promotion.set_mode, database, settings.promotion_mode)
+        if before is not None and before != settings.promotion_mode:
+            log.warning(
+                "promotion was %s on this database and is now %s: every gateway on one database should use "
+                "the same CLAWGATE_PROMOTION",
+                before,
+                settings.promotion_mode,
+            )
+    except Exception as exc:  # the database is down: the follower keeps trying and says so
+        log.warning("could not record the promotion mode: %s", describe(exc))
+    follower = PolicyFollower(
+        settings,
+        state.engine,
+        state.service,
+        database,
+        metrics,
+        probe_ids=state.tokenizer.encode("Hello"),
+        gateway_id=gateway_id,
+        promoter=promoter,
+    )
+    state.policy = follower
+    try:  # serve the newest published version from the first call on
+        await follower.sync()
+    except Exception as exc:  # the follower keeps trying (and says when it recovers)
+        follower.fault.failed(f"at start-up: {describe(exc)}", exc)
+    return asyncio.create_task(follower.run())
+
+
+async def shut_down(state: AppState, tasks: list[asyncio.Task[None]], gateway_id: str, spool_lock: IO[bytes]) -> None:
+    """Stop the loops, then the engine, then the writer (it drains), release the adapter lease and the database."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with suppress(asyncio.CancelledError):
+            await task
+    await state.engine.close()
+    await state.writer.close(timeout=30.0)
+    with suppress(Exception):  # best effort (the database may be down): the lease expires anyway
+        await asyncio.wait_for(asyncio.to_thread(adapter_leases.forget, state.db, gateway_id), 2.0)
+    state.db.dispose()
+    spool_lock.close()
+
+
 def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: Any = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tok = tokenizer if tokenizer is not None else load_tokenizer(settings.model)
         eng = engine if engine is not None else make_engine(settings, tok)
-        current = db.current_revision(settings.database_url)
-        head = db.head_revision()
-        if current != head:
-            raise RuntimeError(
-                f"database schema is at {current or 'nothing'}, expected {head}: run `clawgate db upgrade` "
-                f"(database {redact_url(settings.database_url)})"
-            )
-        if not settings.api_keys:
-            log.warning(
-                "CLAWGATE_API_KEYS is not set: the API is open to anyone who can reach %s:%s",
-                settings.host,
-                settings.port,
-            )
+        check_database(settings)
+        warn_if_open(settings)
         metrics = Metrics()
-        store = db.connect(settings.database_url)
+        database = db.connect(settings.database_url)
         spool_dir, spool_lock = spool.claim_dir(settings.data_dir / "spool")
-        writer = CallWriter(
-            store,
-            spool_dir=spool_dir,
-            batch_size=settings.capture_batch_size,
-            flush_interval=settings.capture_flush_interval,
-            max_queue=settings.capture_max_queue,
-            synchronous_commit=settings.capture_synchronous_commit,
-        )
-        await writer.start()
+        writer = await start_writer(settings, database, spool_dir)
         await eng.start()
-        renderer = Renderer(tok)
-        index = SessionIndex()
-        service = ChatService(
-            engine=eng,
-            tokenizer=tok,
-            renderer=renderer,
-            index=index,
-            writer=writer,
-            metrics=metrics,
-            max_tokens_cap=settings.max_tokens,
-            max_in_flight=settings.max_concurrent_calls,
-            parser=settings.parser,
-            db=store,
-            durable_capture=settings.capture_durable,
-            tool_error_reward=settings.tool_error_reward,
-            session_idle_timeout=settings.session_idle_timeout,
-        )
-        names = {settings.model_name, *(a for a in settings.model_aliases if a != "*")}
-        app.state.clawgate = AppState(
-            settings=settings,
-            engine=eng,
-            tokenizer=tok,
-            renderer=renderer,
-            index=index,
-            writer=writer,
-            metrics=metrics,
-            service=service,
-            model_names=frozenset(names),
-            accept_any_model="*" in settings.model_aliases,
-            started_at=time.time(),
-            db=store,
-            responses=ResponseStore(
-                max_responses=settings.responses_store_size,
-                db=store,
-                # Without durable capture another process commits a response within its flush interval.
-                miss_wait_s=0.0 if settings.capture_durable else 1.0,
-            ),
-        )
+        state = app.state.clawgate = serving_state(settings, eng, tok, database, writer, metrics)
         log.info(
             "clawgate %s serving %s (engine %s, context %d tokens)",
             __version__,
@@ -219,61 +311,21 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
             eng.max_model_len,
         )
         gateway_id = adapter_leases.new_gateway_id()
-        tasks = [
-            asyncio.create_task(close_idle_sessions(store, writer, service, settings.session_idle_timeout)),
-            asyncio.create_task(report_adapters(store, gateway_id, service, settings.adapter_heartbeat_interval)),
-        ]
+        tasks = start_loops(state, gateway_id)
         if settings.policy_follow:
-            promoter = Promoter(settings, store, gateway_id, metrics)
-            try:
-                before = await asyncio.to_thread(promotion.set_mode, store, settings.promotion_mode)
-                if before is not None and before != settings.promotion_mode:
-                    log.warning(
-                        "promotion was %s on this database and is now %s: every gateway on one database should use "
-                        "the same CLAWGATE_PROMOTION",
-                        before,
-                        settings.promotion_mode,
-                    )
-            except Exception as exc:  # the database is down: the follower keeps trying and says so
-                log.warning("could not record the promotion mode: %s", describe(exc))
-            follower = PolicyFollower(
-                settings,
-                eng,
-                service,
-                store,
-                metrics,
-                probe_ids=tok.encode("Hello"),
-                gateway_id=gateway_id,
-                promoter=promoter,
-            )
-            app.state.clawgate.policy = follower
-            try:  # serve the newest published version from the first call on
-                await follower.sync()
-            except Exception as exc:  # the follower keeps trying (and says when it recovers)
-                follower.fault.failed(f"at start-up: {describe(exc)}", exc)
-            tasks.append(asyncio.create_task(follower.run()))
+            tasks.append(await start_follower(state, gateway_id))
         try:
             yield
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with suppress(asyncio.CancelledError):
-                    await task
-            await eng.close()
-            await writer.close(timeout=30.0)
-            with suppress(Exception):  # best effort (the database may be down): the lease expires anyway
-                await asyncio.wait_for(asyncio.to_thread(adapter_leases.forget, store, gateway_id), 2.0)
-            store.dispose()
-            spool_lock.close()
+            await shut_down(state, tasks, gateway_id, spool_lock)
 
     # The schema and documentation pages are served by gateway/api/docs.py (admin-only in production).
     app = FastAPI(
         title="clawgate", version=__version__, lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None
     )
-    app.include_router(openai_api.router)
-    app.include_router(anthropic_api.router)
-    app.include_router(responses_api.router)
+    app.include_router(openai_routes.router)
+    app.include_router(anthropic_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(rollouts_api.router)
     app.include_router(system_api.router)
     app.include_router(policy_api.router)
@@ -297,6 +349,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return respond(request, exc)
 
+    async def store_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, (RecordNotFound, InvalidInput))
+        return respond(request, from_store(exc))
+
+    app.add_exception_handler(RecordNotFound, store_error)
+    app.add_exception_handler(InvalidInput, store_error)
+
     @app.exception_handler(ValidationError)
     async def model_validation_error(request: Request, exc: ValidationError) -> JSONResponse:
         return respond(request, _validation_to_bad_request(exc.errors()))
@@ -307,21 +366,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        from gateway import errors
-
-        cls = {
-            400: errors.BadRequest,
-            401: errors.Unauthorized,
-            403: errors.Forbidden,
-            404: errors.NotFound,
-            429: errors.RateLimited,
-        }.get(exc.status_code)
-        if cls is None:
-            err = APIError(str(exc.detail))
-            err.status_code = exc.status_code
-            return respond(request, err)
-        message = f"{request.method} {request.url.path} not found" if exc.status_code == 404 else str(exc.detail)
-        return respond(request, cls(message))
+        return respond(request, _from_http(request, exc))
 
     @app.exception_handler(sa_exc.DBAPIError)
     async def database_error(request: Request, exc: sa_exc.DBAPIError) -> JSONResponse:
@@ -340,6 +385,32 @@ def install_error_handlers(app: FastAPI) -> None:
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return respond(request, APIError("internal server error"))
+
+
+def _from_http(request: Request, exc: StarletteHTTPException) -> APIError:
+    """Starlette's own refusals (no such route, method not allowed) in the gateway's error shape."""
+    from gateway import errors
+
+    cls = {
+        400: errors.BadRequest,
+        401: errors.Unauthorized,
+        403: errors.Forbidden,
+        404: errors.NotFound,
+        429: errors.RateLimited,
+    }.get(exc.status_code)
+    if cls is None:
+        err = APIError(str(exc.detail))
+        err.status_code = exc.status_code
+        return err
+    message = f"{request.method} {request.url.path} not found" if exc.status_code == 404 else str(exc.detail)
+    return cls(message)
+
+
+def from_store(exc: RecordNotFound | InvalidInput) -> APIError:
+    """The store's own errors (it knows nothing about HTTP) as the API answers them: a record named that does not
+    exist is a 404, an argument the store refuses a 400, each with the store's message and param."""
+    error = NotFound if isinstance(exc, RecordNotFound) else BadRequest
+    return error(exc.message, param=exc.param)
 
 
 def is_anthropic_path(path: str) -> bool:

@@ -193,11 +193,11 @@ def cmd_tree(args: argparse.Namespace) -> int:
     from gateway.store import db
     from gateway.store.training_data import load_rollout
 
-    engine = db.connect(_db_url(args))
+    database = db.connect(_db_url(args))
     try:
-        data = load_rollout(engine, args.rollout_id, _tree_config(args))
+        data = load_rollout(database, args.rollout_id, _tree_config(args))
     finally:
-        engine.dispose()
+        database.dispose()
     if data is None:
         print(f"error: rollout {args.rollout_id!r} not found", file=sys.stderr)
         return 1
@@ -217,13 +217,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from gateway.store import db, rollout_lifecycle
     from gateway.store.training_data import load_rollout, rollout_ids
 
-    engine = db.connect(_db_url(args))
+    database = db.connect(_db_url(args))
     out = open(args.out, "w", encoding="utf-8") if args.out != "-" else sys.stdout  # noqa: SIM115
     try:
-        ids = rollout_ids(engine, status=args.status, limit=args.limit)
+        ids = rollout_ids(database, status=args.status, limit=args.limit)
         for n, rollout_id in enumerate(ids, 1):
-            record = rollout_lifecycle.detail(engine, rollout_id, with_tokens=not args.no_tokens)
-            data = load_rollout(engine, rollout_id, _tree_config(args))
+            record = rollout_lifecycle.detail(database, rollout_id, with_tokens=not args.no_tokens)
+            data = load_rollout(database, rollout_id, _tree_config(args))
             if data is not None:
                 record["tree"] = data.tree.to_json(include_tokens=not args.no_tokens)
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -232,7 +232,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     finally:
         if out is not sys.stdout:
             out.close()
-        engine.dispose()
+        database.dispose()
     return 0
 
 

@@ -11,6 +11,15 @@ OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        # Registration order is the order of the /metrics page.
+        self._serving(r)
+        self._capture(r)
+        self._admission(r)
+        self._policy(r)
+        self._training(r)
+
+    def _serving(self, r: CollectorRegistry) -> None:
+        """Calls served: counts, prompt building, tokens, latencies, errors."""
         self.calls = Counter("clawgate_calls", "Model calls served", ["api", "status"], registry=r)
         self.render_mode = Counter(
             "clawgate_render_mode",
@@ -44,6 +53,9 @@ class Metrics:
             registry=r,
         )
         self.errors = Counter("clawgate_errors", "Errors returned", ["type"], registry=r)
+
+    def _capture(self, r: CollectorRegistry) -> None:
+        """The capture writer: its queue, what it wrote, retried and dead-lettered, and outages."""
         self.capture_queue = Gauge("clawgate_capture_queue_depth", "Calls waiting to be written", registry=r)
         self.capture_written = Gauge("clawgate_capture_written", "Rows written by the capture writer", registry=r)
         self.capture_retries = Gauge("clawgate_capture_retries", "Capture write retries", registry=r)
@@ -60,6 +72,9 @@ class Metrics:
             "Durable calls answered before their capture was committed (the database was down or slow)",
             registry=r,
         )
+
+    def _admission(self, r: CollectorRegistry) -> None:
+        """Calls in flight, and calls refused before generating."""
         self.in_flight = Gauge("clawgate_in_flight_calls", "Calls being generated", registry=r)
         self.refused = Counter(
             "clawgate_calls_refused",
@@ -67,6 +82,9 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+
+    def _policy(self, r: CollectorRegistry) -> None:
+        """The policy version served, a running canary and its decisions, and version swaps."""
         self.policy_version = Gauge(
             "clawgate_policy_version", "Policy version new calls are routed to (-1: the base model)", registry=r
         )
@@ -100,6 +118,9 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+
+    def _training(self, r: CollectorRegistry) -> None:
+        """What waits for the trainer and what it consumed, judgements, and how stale the served policy is."""
         self.rollouts_ready = Gauge(
             "clawgate_rollouts_ready", "Finished, rewarded rollouts not yet trained on", registry=r
         )

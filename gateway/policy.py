@@ -6,10 +6,11 @@ The trainer publishes ``policy@vN`` by writing its directory and then committing
 
 1. loads it into its engine under the version's own name (vLLM: ``POST /v1/load_lora_adapter``; the local engine:
    in-process) — a new name per version, because vLLM keys its prefix cache by adapter;
-2. verifies it answers (a one-token generation through the adapter);
+2. verifies it answers (a one-token generation through the adapter, on every replica of a vLLM cluster);
 3. routes new calls to it (one assignment on the event loop, so a request sees either the old or the new version,
    never a mix); calls already running keep the version they started on, and each call records its version;
-4. marks it current in the database (``is_current``, ``loaded_at``, ``current_at``: the swap latency);
+4. marks it current in the database (``is_current``, ``loaded_at``, ``current_at``: the swap latency;
+   ``store/policy_versions.py``);
 5. unloads versions beyond the newest ``policy_keep_loaded`` once no call of this gateway still runs on them and
    no other live gateway on the database reports serving them or running calls on them (``adapter_leases``:
    several gateways may share one engine).
@@ -31,21 +32,20 @@ import asyncio
 import datetime as dt
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
 
-from gateway.engines.base import Engine, GenerationEnd, GenerationRequest, SamplingParams
+from gateway.engines.base import Engine
 from gateway.faults import Fault, describe
 from gateway.metrics import Metrics
 from gateway.promotion.promoter import Promoter
-from gateway.promotion.routing import Arm, Routing
-from gateway.service import ChatService
+from gateway.promotion.routing import Arm, Routed, Routing
 from gateway.settings import Settings
-from gateway.store import adapter_leases, promotion
+from gateway.store import adapter_leases, policy_versions, promotion
 from gateway.store.models import PolicyVersion
 
 log = logging.getLogger("clawgate.policy")
@@ -53,39 +53,16 @@ log = logging.getLogger("clawgate.policy")
 MAX_POLL_BACKOFF = 30.0
 
 
-def mark_current(db: sa.Engine, version: int, loaded_at: dt.datetime) -> None:
-    """One transaction: this version is current (and loaded), no other is."""
-    now = dt.datetime.now(dt.UTC)
-    with Session(db) as session, session.begin():
-        row = session.get(PolicyVersion, version)
-        if row is None:
-            return
-        session.execute(
-            sa.update(PolicyVersion)
-            .where(PolicyVersion.version != version, PolicyVersion.is_current.is_(True))
-            .values(is_current=False)
-        )
-        row.is_current = True
-        row.status = "loaded"
-        row.loaded_at = row.loaded_at or loaded_at
-        row.current_at = row.current_at or now
-
-
-def mark_retired(db: sa.Engine, version: int) -> None:
-    with Session(db) as session, session.begin():
-        session.execute(
-            sa.update(PolicyVersion)
-            .where(PolicyVersion.version == version, PolicyVersion.is_current.is_(False))
-            .values(status="retired")
-        )
-
-
 class PolicyFollower:
+    """This gateway's side of the policy lifecycle (see the module docstring): it loads and verifies each version
+    the database says to serve, routes the request core (``service``) to it, and unloads what nothing uses any more.
+    ``sync`` runs one pass at once (an operator's change); ``run`` polls every ``policy_poll_interval`` seconds."""
+
     def __init__(
         self,
         settings: Settings,
         engine: Engine,
-        service: ChatService,
+        service: Routed,
         db: sa.Engine,
         metrics: Metrics,
         probe_ids: list[int],
@@ -109,6 +86,7 @@ class PolicyFollower:
         self.promoter = promoter
         self.state = promotion.State()  # stages as last read
         self.candidate: int | None = None  # the canary's version while this gateway routes to it
+        self.evaluated: int | None = None  # a version being evaluated, loaded for the rollouts pinned to it
         self._lock = asyncio.Lock()
         self.fault = Fault(log, "policy follower: cannot look for new versions")
 
@@ -139,7 +117,8 @@ class PolicyFollower:
             self.state = state
             self.pinned = state.pinned
             if state.pinned is not None:
-                row = None if state.pinned == self.current else await asyncio.to_thread(_get, self.db, state.pinned)
+                pinned = state.pinned
+                row = None if pinned == self.current else await asyncio.to_thread(policy_versions.get, self.db, pinned)
             else:
                 row = (
                     state.incumbent if state.incumbent is not None and state.incumbent.version != self.current else None
@@ -152,19 +131,29 @@ class PolicyFollower:
 
     async def _route(self, state: promotion.State) -> None:
         """Route new conversations: all to the incumbent, or during a canary a share to the candidate (loaded and
-        verified first; one that cannot be served is rejected with the reason, and the incumbent serves on)."""
+        verified first; one that cannot be served is rejected with the reason, and the incumbent serves on). A
+        version being evaluated is loaded the same way and serves only the rollouts pinned to it."""
         incumbent = Arm(self.service.adapter, self.service.policy_version)
         canary = state.canary if state.pinned is None else None
         candidate: Arm | None = None
         if canary is not None and canary.version not in self.failed and await self._load(canary):
             candidate = Arm(canary.adapter_name, canary.version)
-        if state.mode != promotion.GUARDED or state.pinned is not None:
+        live = set(state.promoted)
+        self.evaluated = None
+        if state.pinned is None and state.evaluating:
+            evaluated = state.evaluating[-1]
+            if evaluated.version not in self.failed and await self._load(evaluated):
+                live.add(evaluated.version)
+                self.evaluated = evaluated.version
+        if state.pinned is not None:
             routing = Routing(incumbent)
         else:
-            live = set(state.promoted)
             kept = {v: Arm(name, v) for v, name in self.loaded.items() if v in live}
-            share = canary.canary_share if canary is not None and canary.canary_share is not None else 0.0
-            routing = Routing(incumbent, candidate, share, sticky=True, kept=kept)
+            if state.mode != promotion.GUARDED:
+                routing = Routing(incumbent, kept=kept)
+            else:
+                share = canary.canary_share if canary is not None and canary.canary_share is not None else 0.0
+                routing = Routing(incumbent, candidate, share, sticky=True, kept=kept)
         if routing != self.service.routing:
             self.service.use_routing(routing)
             self.candidate = candidate.version if candidate is not None else None
@@ -172,7 +161,8 @@ class PolicyFollower:
             self.metrics.canary_share.set(routing.share if candidate is not None else 0.0)
 
     async def _load(self, row: PolicyVersion) -> bool:
-        """Load and verify a canary's adapter (once); False, and the candidate rejected, when it cannot serve."""
+        """Load and verify a canary's (or an evaluated version's) adapter once; False, and the version rejected,
+        when it cannot serve."""
         name = row.adapter_name
         try:
             if name not in await self.engine.adapters():
@@ -182,7 +172,7 @@ class PolicyFollower:
             self.failed.add(row.version)
             self.metrics.policy_swap_failures.inc()
             reason = f"load failed: {describe(exc)}"
-            log.error("canary policy %s could not be served (%s): rejecting it", name, reason)
+            log.error("%s policy %s could not be served (%s): rejecting it", row.stage, name, reason)
             await asyncio.to_thread(
                 promotion.move,
                 self.db,
@@ -196,13 +186,13 @@ class PolicyFollower:
             return False
         if row.version not in self.loaded:
             self.loaded[row.version] = name
-            log.info("canary policy %s loaded and verified", name)
+            log.info("%s policy %s loaded and verified", row.stage, name)
         return True
 
     def promotion_summary(self) -> dict[str, Any]:
         """Incumbent, candidate, stage and share as this gateway last read them (no database access: /health)."""
         state, routing = self.state, self.service.routing
-        undecided = state.canary or (state.candidates[-1] if state.candidates else None)
+        undecided = state.undecided()
         last = self.promoter.last if self.promoter is not None else None
         return {
             "mode": state.mode,
@@ -211,6 +201,7 @@ class PolicyFollower:
             "stage": undecided.stage if undecided is not None else None,
             "canary_share": routing.share if routing.candidate is not None else 0.0,
             "serving_candidate": routing.candidate is not None,
+            "evaluating": self.evaluated,  # loaded here for the rollouts pinned to it (the evaluation gate)
             "last_look": None
             if last is None or self.promoter is None or self.promoter.last_version != self.candidate
             else {"outcome": last.outcome, "reason": last.reason},
@@ -240,7 +231,7 @@ class PolicyFollower:
         previous = self.service.adapter
         # The database says "current" before new calls go to it: what `clawgate policy list` shows is never behind
         # what is served. Only the incumbent changes here; ``_route`` then settles the canary around it.
-        await asyncio.to_thread(mark_current, self.db, version, loaded_at)
+        await asyncio.to_thread(policy_versions.mark_current, self.db, version, loaded_at)
         self.service.use_routing(replace(self.service.routing, incumbent=Arm(name, version)))
         self.current = version
         self.last_swap_seconds = time.perf_counter() - t0
@@ -257,19 +248,7 @@ class PolicyFollower:
         )
 
     async def _probe(self, name: str) -> None:
-        request = GenerationRequest(
-            f"probe-{name}-{time.monotonic_ns()}",
-            list(self.probe_ids),
-            SamplingParams(max_tokens=1, temperature=0.0),
-            name,
-            stream=False,
-        )
-        end: Any = None
-        async for event in self.engine.generate(request):
-            if isinstance(event, GenerationEnd):
-                end = event
-        if end is None:
-            raise RuntimeError(f"the probe through {name} ended without an answer")
+        await self.engine.verify_adapter(name, self.probe_ids)
 
     async def _ensure_current_loaded(self) -> None:
         if self.current is None:
@@ -277,7 +256,7 @@ class PolicyFollower:
         name = self.service.adapter
         if name is None or name in await self.engine.adapters():
             return
-        row = await asyncio.to_thread(_get, self.db, self.current)
+        row = await asyncio.to_thread(policy_versions.get, self.db, self.current)
         if row is None:
             return
         log.warning("the engine lost %s (restarted?): loading it again", name)
@@ -287,7 +266,7 @@ class PolicyFollower:
         keep = self.settings.policy_keep_loaded
         while len(self.loaded) > keep:
             version, name = next(iter(self.loaded.items()))
-            if version in (self.current, self.candidate):
+            if version in (self.current, self.candidate, self.evaluated):
                 return
             if self.service.adapter_in_flight.get(name, 0) > 0:
                 return  # calls still run on it: next time
@@ -300,10 +279,16 @@ class PolicyFollower:
             except Exception as exc:
                 log.warning("could not unload %s: %s", name, exc)
             del self.loaded[version]
-            await asyncio.to_thread(mark_retired, self.db, version)
+            await asyncio.to_thread(policy_versions.mark_retired, self.db, version)
             log.info("unloaded %s", name)
 
 
-def _get(db: sa.Engine, version: int) -> PolicyVersion | None:
-    with Session(db, expire_on_commit=False) as session:
-        return session.get(PolicyVersion, version)
+async def apply_change(
+    db: sa.Engine, follower: PolicyFollower | None, change: Callable[..., object], *args: Any
+) -> None:
+    """Write an operator's change (``change(db, *args)``: pin, unpin, roll back, promote, reject) and let this
+    gateway's follower act on it at once; the other gateways follow at their next poll. The change's own errors
+    (``policy_control.UnknownVersion``, ``promotion.NotDecidable``) reach the caller before anything is synced."""
+    await asyncio.to_thread(change, db, *args)
+    if follower is not None:
+        await follower.sync()

@@ -14,9 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
+
+if TYPE_CHECKING:
+    from gateway.settings import Settings
 
 ACTIONS = ["list", "status", "promote", "reject", "pin", "unpin", "rollback"]
 
@@ -41,41 +44,41 @@ def cmd_policy(args: argparse.Namespace) -> int:
         print(f"error: `clawgate policy {args.action}` takes no VERSION", file=sys.stderr)
         return 2
     settings = Settings()
-    engine = db.connect(args.database_url or settings.database_url)
+    database = db.connect(args.database_url or settings.database_url)
     try:
         if args.action == "pin":
-            policy_control.pin(engine, args.version)
+            policy_control.pin(database, args.version)
             print(f"pinned policy@v{args.version}: every gateway serves it until `clawgate policy unpin`")
         elif args.action == "unpin":
-            policy_control.unpin(engine)
+            policy_control.unpin(database)
             print("unpinned: every gateway serves the incumbent (and a running canary) again")
         elif args.action == "rollback":
-            policy_control.request_rollback(engine, args.version)
+            policy_control.request_rollback(database, args.version)
             print(
                 f"rolling back to policy@v{args.version}: served now (pinned); the trainer republishes it as the next "
                 "version, releases the pin and trains on from it"
             )
         elif args.action in ("promote", "reject"):
-            version = promotion.decide_by_operator(engine, args.action, args.version)
+            version = promotion.decide_by_operator(database, args.action, args.version)
             done = "promoted: it serves all new conversations" if args.action == "promote" else "rejected"
             print(f"policy@v{version} {done}")
         elif args.action == "status":
-            print_status(engine, settings, as_json=args.json)
+            print_status(database, settings, as_json=args.json)
         else:
-            print_versions(engine, as_json=args.json)
+            print_versions(database, as_json=args.json)
     except (policy_control.UnknownVersion, promotion.NotDecidable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
-        engine.dispose()
+        database.dispose()
     return 0
 
 
-def print_status(engine: sa.Engine, settings: Any, *, as_json: bool) -> None:
+def print_status(database: sa.Engine, settings: Settings, *, as_json: bool) -> None:
     from gateway.promotion.promoter import rule_of
     from gateway.promotion.status import status
 
-    out = status(engine, rule_of(settings))
+    out = status(database, rule_of(settings))
     if as_json:
         print(json.dumps(out))
         return
@@ -103,11 +106,11 @@ def print_status(engine: sa.Engine, settings: Any, *, as_json: bool) -> None:
             print(f"  {d['created_at'][:19]}  {_v(d['version'])} {d['outcome']:<9} {d['reason']}")
 
 
-def print_versions(engine: sa.Engine, *, as_json: bool) -> None:
+def print_versions(database: sa.Engine, *, as_json: bool) -> None:
     from gateway.store import console, policy_control
 
-    control = policy_control.read(engine)
-    versions = console.versions(engine)
+    control = policy_control.read(database)
+    versions = console.versions(database)
     if as_json:
         for v in versions:
             row = {
@@ -125,7 +128,7 @@ def print_versions(engine: sa.Engine, *, as_json: bool) -> None:
             }
             print(json.dumps(row))
         return
-    print(f"{'version':<16}{'status':<11}{'stage':<10}{'from':<10}{'turn reward':>12}{'rollout reward':>16}  published")
+    print(f"{'version':<16}{'status':<11}{'stage':<12}{'from':<10}{'turn reward':>12}{'rollout reward':>16}  published")
     for v in versions:
         flags = (" current" if v.is_current else "") + (" pinned" if v.version == control.pinned_version else "")
         origin = (
@@ -136,7 +139,7 @@ def print_versions(engine: sa.Engine, *, as_json: bool) -> None:
         turn = f"{v.turn_reward.mean:.3f}" if v.turn_reward.mean is not None else "-"
         rollout = f"{v.rollout_reward.mean:.3f}" if v.rollout_reward.mean is not None else "-"
         print(
-            f"{v.adapter_name:<16}{v.status:<11}{v.stage:<10}{origin:<10}{turn:>12}{rollout:>16}  "
+            f"{v.adapter_name:<16}{v.status:<11}{v.stage:<12}{origin:<10}{turn:>12}{rollout:>16}  "
             f"{v.created_at:%Y-%m-%d %H:%M:%S}{flags}"
         )
     if control.rollback_to is not None:

@@ -96,6 +96,12 @@ class Settings(BaseSettings):
     canary_timeout_outcome: Literal["promote", "reject"] = "reject"
     # Seconds between looks at a running canary's evidence (each gateway looks; the first to decide decides).
     canary_check_interval: float = Field(default=5.0, gt=0)
+    # The evaluation gate (trainer/eval_gate.py), under guarded promotion: a held-out task file (JSONL, verifiers
+    # as for `clawgate rollout`) the trainer runs on each new version and on the incumbent, through the gateway at
+    # `gateway_url`, before the version may start its canary. Off when unset.
+    eval_gate_tasks: Path | None = None
+    eval_gate_harness: str = "builtin"  # comma-separated harness names
+    eval_gate_n: int = Field(default=1, ge=1)  # rollouts per task × harness and arm
 
     # Trainer (`clawgate train`, `clawgate up`)
     train_algorithm: Literal["grpo", "ppo"] = "grpo"
@@ -107,6 +113,7 @@ class Settings(BaseSettings):
     # Seconds between looks at the store when nothing is ready.
     train_interval: float = Field(default=5.0, gt=0)
     train_max_rollouts: int = Field(default=256, ge=1)
+    train_max_turns: int = Field(default=256, ge=1)  # turns of everyday traffic per step at most
     # Rollouts served by a version more than this many versions older than the trained one are not trained on.
     train_max_staleness: int = Field(default=8, ge=0)
     # A group with a single ready rollout waits this long for company before it is consumed without signal.
@@ -190,6 +197,14 @@ class Settings(BaseSettings):
 
     # Implicit sessions (and harness sessions) count as finished after this many idle seconds.
     session_idle_timeout: float = Field(default=1800.0, gt=0)
+    # The session index keeps a turn nobody continued for this many seconds (at most the idle timeout); a later
+    # continuation is found in the database, exactly. Agent turns come seconds apart, so a few minutes keep nearly
+    # every continuation in memory, while memory follows the last few minutes' conversations instead of the last
+    # half hour's (measured: about 1 KB per call held).
+    session_cache_idle: float = Field(default=300.0, gt=0)
+    # The most token ids the session index holds in memory (raw prompt + completion of recent calls, for splicing;
+    # about 8 bytes each, plus 32 per distinct token); least recently used calls are forgotten beyond it.
+    session_index_tokens: int = Field(default=20_000_000, ge=1)
 
     # Where `clawgate rollout` reaches the gateway (default http://127.0.0.1:8080).
     gateway_url: str | None = None

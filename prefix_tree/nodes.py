@@ -92,6 +92,17 @@ class TreeNode:
     def child_nodes(self) -> list[TreeNode]:
         return list(self.children.values())
 
+    def chain(self) -> list[TreeNode]:
+        """The nodes holding tokens on the way from the root down to this one, in order (a root holds none)."""
+        chain: list[TreeNode] = []
+        node: TreeNode | None = self
+        while node is not None:
+            if len(node.tokens):
+                chain.append(node)
+            node = node.parent
+        chain.reverse()
+        return chain
+
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, depth={self.depth}, tokens={len(self.tokens)}, kept={self.kept})"
 

@@ -38,18 +38,9 @@ class RolloutTree:
         """Kept nodes with no kept child that end at least one token deep."""
         return [n for n in self.nodes if n.kept and n.end > 0 and not any(c.kept for c in n.children.values())]
 
-    def _chain(self, node: TreeNode) -> list[TreeNode]:
-        chain: list[TreeNode] = []
-        cur: TreeNode | None = node
-        while cur is not None:
-            chain.append(cur)
-            cur = cur.parent
-        chain.reverse()
-        return chain
-
     def path_tokens(self, node_id: int) -> TokenArray:
         """The token ids from the root to the end of a node."""
-        chain = self._chain(self.nodes[node_id])
+        chain = self.nodes[node_id].chain()
         return np.concatenate([n.tokens for n in chain]) if chain else np.zeros(0, dtype=np.int64)
 
     def paths(self) -> list[TreePath]:
@@ -58,7 +49,7 @@ class RolloutTree:
             return []
         out = []
         for leaf in self.leaves():
-            chain = self._chain(leaf)
+            chain = leaf.chain()
             out.append(
                 TreePath(
                     tokens=np.concatenate([n.tokens for n in chain]),

@@ -12,10 +12,13 @@ import argparse
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.logs import setup_logging
 from gateway.settings import Settings, from_flags
+
+if TYPE_CHECKING:
+    from rewards.build import WorkerSettings
 
 # The reward worker's flags that are settings, by their Settings field names.
 JUDGE_FLAGS = (
@@ -59,12 +62,12 @@ def cmd_judge(args: argparse.Namespace) -> int:
     """The reward worker: runs until SIGTERM (or, with --once, until nothing judgeable is left)."""
     import asyncio
 
-    from rewards.worker import build_worker
+    from rewards.build import build_worker
 
     settings = from_flags(args, JUDGE_SETTINGS)
     setup_logging(settings.log_level)
     try:
-        worker, engine = build_worker(settings)
+        worker, database = build_worker(worker_settings(settings))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -100,8 +103,33 @@ def cmd_judge(args: argparse.Namespace) -> int:
         return 1
     finally:
         print(f"judge: {worker.describe()}", file=sys.stderr, flush=True)
-        engine.dispose()
+        database.dispose()
     return 0
+
+
+def worker_settings(settings: Settings) -> WorkerSettings:
+    """The reward worker's part of ``settings``, for ``rewards.build.build_worker``."""
+    from rewards.build import WorkerSettings
+
+    return WorkerSettings(
+        model=settings.model,
+        database_url=settings.database_url,
+        judge_model=settings.judge_model,
+        judge_api_base=settings.judge_api_base,
+        judge_api_key_env=settings.judge_api_key_env,
+        judge_rubric=settings.judge_rubric,
+        judge_timeout=settings.judge_timeout,
+        judge_max_answer_tokens=settings.judge_max_answer_tokens,
+        judge_temperature=settings.judge_temperature,
+        judge_concurrency=settings.judge_concurrency,
+        judge_max_attempts=settings.judge_max_attempts,
+        judge_interval=settings.judge_interval,
+        judge_context_tokens=settings.judge_context_tokens,
+        judge_reply_tokens=settings.judge_reply_tokens,
+        judge_next_state_tokens=settings.judge_next_state_tokens,
+        reward_functions=tuple(settings.reward_functions),
+        max_staleness=settings.train_max_staleness,
+    )
 
 
 async def _report(worker: Any, stop: Any, every: float = 30.0) -> None:
@@ -124,11 +152,11 @@ def cmd_turns(args: argparse.Namespace) -> int:
     from gateway.store import db
     from rewards.report import turn_rows
 
-    engine = db.connect(args.database_url or Settings().database_url)
+    database = db.connect(args.database_url or Settings().database_url)
     try:
-        rows = turn_rows(engine, rollout_id=args.rollout_id, limit=args.limit)
+        rows = turn_rows(database, rollout_id=args.rollout_id, limit=args.limit)
     finally:
-        engine.dispose()
+        database.dispose()
     if args.json:
         for row in rows:
             print(json.dumps(row, ensure_ascii=False))
@@ -167,4 +195,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     turns.set_defaults(func=cmd_turns)
 
 
-__all__ = ["JUDGE_FLAGS", "cmd_judge", "cmd_turns", "judge_flags", "register"]
+__all__ = ["JUDGE_FLAGS", "cmd_judge", "cmd_turns", "judge_flags", "register", "worker_settings"]

@@ -9,71 +9,58 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
 
 from gateway.store import turns
-from gateway.store.models import Call, Judgement, Rollout, TrainedTurn
 
 
 def turn_rows(db: sa.Engine, *, rollout_id: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
     """The newest turns (of one rollout, or all), newest first, as JSON-ready dicts."""
-    query = sa.select(Call, Rollout.status).join(Rollout, Rollout.id == Call.rollout_id).where(*turns.is_turn())
-    if rollout_id is not None:
-        query = query.where(Call.rollout_id == rollout_id)
-    query = query.order_by(Call.started_at.desc(), Call.id.desc()).limit(limit)
-    with Session(db) as session:
-        rows = session.execute(query).all()
-        ids = [call.id for call, _ in rows]
-        rewards = turns.turn_rewards(session, ids)
-        verdicts = {j.call_id: j for j in session.scalars(sa.select(Judgement).where(Judgement.call_id.in_(ids)))}
-        trained: dict[str, TrainedTurn] = {}
-        for t in session.scalars(
-            sa.select(TrainedTurn).where(TrainedTurn.call_id.in_(ids)).order_by(TrainedTurn.epoch)
-        ):
-            trained[t.call_id] = t
-        out = []
-        for call, rollout_status in rows:
-            reward = rewards.get(call.id)
-            verdict = verdicts.get(call.id)
-            consumed = trained.get(call.id)
-            if call.next_call_id is not None:
-                next_state = f"next state in {call.next_call_id}"
-            elif rollout_status != "open":
-                next_state = "rollout closed without a next state"
-            else:
-                next_state = "awaiting its next state"
-            if consumed is not None:
-                training = (
-                    f"trained in step {consumed.step_id} (advantage {consumed.advantage:+.3g})"
-                    if consumed.advantage is not None
-                    else f"consumed without training in step {consumed.step_id}"
-                )
-            else:
-                training = "not trained yet"
-            judge = "not judged" if verdict is None else f"judge {verdict.status}"
-            if verdict is not None and verdict.score is not None:
-                judge += f" {verdict.score:.3g}"
-            out.append(
-                {
-                    "call_id": call.id,
-                    "rollout_id": call.rollout_id,
-                    "api": call.api,
-                    "policy_version": call.policy_version,
-                    "started_at": call.started_at.isoformat(),
-                    "next_call_id": call.next_call_id,
-                    "state": "; ".join((next_state, judge, training)),
-                    "reward": None if reward is None else reward.value,
-                    "rewards": {} if reward is None else reward.sources,
-                    "judge_status": None if verdict is None else verdict.status,
-                    "judge_score": None if verdict is None else verdict.score,
-                    "judge_reason": None if verdict is None else verdict.reason,
-                    "judge_error": None if verdict is None or verdict.status == "done" else verdict.error,
-                    "judge_attempts": None if verdict is None else verdict.attempts,
-                    "trained_step": None if consumed is None else consumed.step_id,
-                    "advantage": None if consumed is None else consumed.advantage,
-                }
-            )
-    return out
+    return [_row(turn) for turn in turns.turn_history(db, rollout_id=rollout_id, limit=limit)]
+
+
+def _row(turn: turns.TurnHistory) -> dict[str, Any]:
+    call, reward, verdict, consumed = turn.call, turn.reward, turn.verdict, turn.trained
+    return {
+        "call_id": call.id,
+        "rollout_id": call.rollout_id,
+        "api": call.api,
+        "policy_version": call.policy_version,
+        "started_at": call.started_at.isoformat(),
+        "next_call_id": call.next_call_id,
+        "state": _state(turn),
+        "reward": None if reward is None else reward.value,
+        "rewards": {} if reward is None else reward.sources,
+        "judge_status": None if verdict is None else verdict.status,
+        "judge_score": None if verdict is None else verdict.score,
+        "judge_reason": None if verdict is None else verdict.reason,
+        "judge_error": None if verdict is None or verdict.status == "done" else verdict.error,
+        "judge_attempts": None if verdict is None else verdict.attempts,
+        "trained_step": None if consumed is None else consumed.step_id,
+        "advantage": None if consumed is None else consumed.advantage,
+    }
+
+
+def _state(turn: turns.TurnHistory) -> str:
+    """Its next state, the judge's verdict and its training, in words."""
+    call, verdict, consumed = turn.call, turn.verdict, turn.trained
+    if call.next_call_id is not None:
+        next_state = f"next state in {call.next_call_id}"
+    elif turn.rollout_status != "open":
+        next_state = "rollout closed without a next state"
+    else:
+        next_state = "awaiting its next state"
+    if consumed is not None:
+        training = (
+            f"trained in step {consumed.step_id} (advantage {consumed.advantage:+.3g})"
+            if consumed.advantage is not None
+            else f"consumed without training in step {consumed.step_id}"
+        )
+    else:
+        training = "not trained yet"
+    judge = "not judged" if verdict is None else f"judge {verdict.status}"
+    if verdict is not None and verdict.score is not None:
+        judge += f" {verdict.score:.3g}"
+    return "; ".join((next_state, judge, training))
 
 
 __all__ = ["turn_rows"]

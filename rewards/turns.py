@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy.orm import Session
+import sqlalchemy as sa
 
-from gateway.store import codec, repo
-from gateway.store.models import Call, Rollout
+from gateway.store import judgements
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -70,34 +69,23 @@ def clip(ids: Sequence[int] | np.ndarray, budget: int, decode: Decode) -> str:
     return decode(list(ids[:head])) + f"\n[… {n - head - tail} tokens left out …]\n" + decode(list(ids[n - tail :]))
 
 
-def load_turn(session: Session, call_id: str, decode: Decode, limits: Limits = Limits()) -> TurnView:
+def load_turn(db: sa.Engine, call_id: str, decode: Decode, limits: Limits = Limits()) -> TurnView:
     """The turn of call ``call_id`` as text (raises LookupError when the call is gone)."""
-    call = session.get(Call, call_id)
-    if call is None:
+    turn = judgements.recorded_turn(db, call_id)
+    if turn is None:
         raise LookupError(f"call {call_id} not found")
-    rollout = session.get(Rollout, call.rollout_id)
-    cache = repo.CallCache(session)
-    prompt = repo.full_prompt_array(cache, call)
-    completion = codec.ids_array(call.completion_ids)
-    next_state: str | None = None
-    if call.next_call_id is not None:
-        child = session.get(Call, call.next_call_id)
-        start = call.prompt_len + call.completion_len
-        # The child's prompt starts with exactly this call's prompt + completion (that is how it was linked).
-        if child is not None and child.parent_call_id == call.id and child.prompt_prefix_len == start:
-            next_state = clip(repo.full_prompt_array(cache, child)[start:], limits.next_state, decode)
     return TurnView(
-        call_id=call.id,
-        rollout_id=call.rollout_id,
-        api=call.api,
-        harness=None if rollout is None else rollout.harness,
-        policy_version=call.policy_version,
-        finish_reason=call.finish_reason,
-        context=clip(prompt, limits.context, decode),
-        reply=clip(completion, limits.reply, decode),
-        next_state=next_state,
-        reply_token_ids=tuple(completion.tolist()),
-        rollout_metadata=None if rollout is None else rollout.metadata_,
+        call_id=turn.call_id,
+        rollout_id=turn.rollout_id,
+        api=turn.api,
+        harness=turn.harness,
+        policy_version=turn.policy_version,
+        finish_reason=turn.finish_reason,
+        context=clip(turn.prompt, limits.context, decode),
+        reply=clip(turn.completion, limits.reply, decode),
+        next_state=None if turn.next_state is None else clip(turn.next_state, limits.next_state, decode),
+        reply_token_ids=tuple(turn.completion.tolist()),
+        rollout_metadata=turn.rollout_metadata,
     )
 
 

@@ -1,13 +1,13 @@
 """The reward worker (`clawgate judge`): every turn of everyday traffic, once its next state is known (or its
 rollout closed), goes through the reward functions and the LLM judge, and gets one recorded verdict.
 
-The loop looks for judgeable turns (``claims.candidates``), claims up to ``concurrency`` of them and processes each
-on its own task:
+The loop looks for judgeable turns (``judgements.candidates``, in the store), claims up to ``concurrency`` of them
+and processes each on its own task:
 
 1. read the turn from the store and decode it (``turns.load_turn``, on a thread);
 2. call each reward function (on a thread);
 3. ask the judge (``judge.Judge.score``), at most ``concurrency`` calls at once, each with a timeout;
-4. record the verdict and all rewards in one transaction (``claims.finish``), or give the turn back.
+4. record the verdict and all rewards in one transaction (``judgements.finish``), or give the turn back.
 
 Failures:
 
@@ -31,12 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
 
 from gateway.faults import Fault, describe
-from rewards import claims
+from gateway.store import judgements
 from rewards.functions import RewardFunction, RewardFunctionError
-from rewards.judge import Judge, JudgeError, UnparseableAnswer, Usage
+from rewards.judge import Judge, JudgeError, JudgeResult, UnparseableAnswer, Usage
 from rewards.turns import Decode, Limits, TurnView, load_turn
 
 log = logging.getLogger("clawgate.judge")
@@ -154,7 +153,7 @@ class RewardWorker:
                 raise JudgeUnavailable(self._outage.last_error or "the judge cannot be reached")
             started = await self.poll()
             if not started and not self._in_flight:
-                pending = await asyncio.to_thread(claims.backlog, self.db, max_staleness=self.config.max_staleness)
+                pending = await asyncio.to_thread(judgements.backlog, self.db, max_staleness=self.config.max_staleness)
                 if not pending:
                     return self.stats.verdicts - before
                 await asyncio.sleep(min(self.config.retry_delay, 0.2))
@@ -182,7 +181,7 @@ class RewardWorker:
         if room <= 0 or self._paused:
             return 0
         found = await asyncio.to_thread(
-            claims.candidates,
+            judgements.candidates,
             self.db,
             room * 2,
             exclude=set(self._in_flight),
@@ -190,7 +189,9 @@ class RewardWorker:
         )
         rollout_of = dict(found[:room])
         token = secrets.token_hex(16)  # one claim token for the batch; a verdict is recorded per (turn, token)
-        taken = await asyncio.to_thread(claims.claim_many, self.db, list(rollout_of.items()), token, self.config.lease)
+        taken = await asyncio.to_thread(
+            judgements.claim_many, self.db, list(rollout_of.items()), token, self.config.lease
+        )
         for call_id, attempts in taken.items():  # the others another worker holds
             rollout_id = rollout_of[call_id]
             task = asyncio.create_task(self._process(call_id, rollout_id, token, attempts), name=f"judge-{call_id}")
@@ -208,17 +209,23 @@ class RewardWorker:
             # The database going away mid-turn (or a bug): the claim's lease runs out and the turn is tried again.
             self._store_fault.failed(f"turn {call_id}: {describe(error)}; retried when its claim expires", error)
 
-    def _load(self, call_id: str) -> TurnView:
-        with Session(self.db) as session:
-            return load_turn(session, call_id, self.decode, self.config.limits)
-
     async def _judge_turn(self, call_id: str, rollout_id: str, token: str, attempts: int) -> None:
         try:
-            turn = await asyncio.to_thread(self._load, call_id)
+            turn = await asyncio.to_thread(load_turn, self.db, call_id, self.decode, self.config.limits)
         except LookupError as error:
             await self._finish(call_id, rollout_id, token, "failed", [], error=str(error))
             return
-        rewards: list[claims.NewReward] = []
+        rewards, errors = await self._call_functions(call_id, turn)
+        if self.judge is None:
+            await self._finish(call_id, rollout_id, token, "done", rewards, error="; ".join(errors) or None)
+            return
+        result = await self._score(self.judge, turn, call_id, rollout_id, token, attempts, rewards)
+        if result is not None:
+            await self._record_judged(call_id, rollout_id, token, turn, result, rewards, errors)
+
+    async def _call_functions(self, call_id: str, turn: TurnView) -> tuple[list[judgements.NewReward], list[str]]:
+        """Each reward function's reward of the turn, and the errors of those that raised."""
+        rewards: list[judgements.NewReward] = []
         errors: list[str] = []
         for fn in self.functions:
             try:
@@ -230,28 +237,50 @@ class RewardWorker:
                 errors.append(f"{fn.spec}: {text}")
                 continue
             if got is not None:
-                rewards.append(claims.NewReward(got.value, fn.source, got.details))
-        if self.judge is None:
-            await self._finish(call_id, rollout_id, token, "done", rewards, error="; ".join(errors) or None)
-            return
+                rewards.append(judgements.NewReward(got.value, fn.source, got.details))
+        return rewards, errors
+
+    async def _score(
+        self,
+        judge: Judge,
+        turn: TurnView,
+        call_id: str,
+        rollout_id: str,
+        token: str,
+        attempts: int,
+        rewards: list[judgements.NewReward],
+    ) -> JudgeResult | None:
+        """The judge's result, or None when there is none: the turn was given back (outage) or its attempt failed."""
         try:
-            result = await self.judge.score(turn)
+            return await judge.score(turn)
         except UnparseableAnswer as error:
             self.stats.unparseable_answers += 1
             self.stats.add_usage(error.usage)
             log.warning("turn %s: unparseable judge answer (%s): %r", call_id, error, error.answer[:200])
             await self._turn_failed(call_id, rollout_id, token, attempts, "unparseable", rewards, str(error))
-            return
+            return None
         except JudgeError as error:
             if error.kind == "outage":
                 self._judge_down(str(error))
                 await asyncio.to_thread(
-                    claims.release, self.db, call_id, token, retry_in=0.0, attempt=False, error=str(error)
+                    judgements.release, self.db, call_id, token, retry_in=0.0, attempt=False, error=str(error)
                 )
-                return
+                return None
             log.warning("turn %s: the judge refused the request: %s", call_id, error)
             await self._turn_failed(call_id, rollout_id, token, attempts, "failed", rewards, str(error))
-            return
+            return None
+
+    async def _record_judged(
+        self,
+        call_id: str,
+        rollout_id: str,
+        token: str,
+        turn: TurnView,
+        result: JudgeResult,
+        rewards: list[judgements.NewReward],
+        errors: list[str],
+    ) -> None:
+        """Record the judge's verdict with the functions' rewards, and count it when this claim recorded it."""
         self._judge_up()
         usage = result.usage
         self.stats.add_usage(usage)
@@ -264,7 +293,7 @@ class RewardWorker:
             "cost_usd": usage.cost_usd,
             "seconds": round(usage.seconds, 3),
         }
-        rewards.append(claims.NewReward(result.verdict.score, JUDGE_SOURCE, details))
+        rewards.append(judgements.NewReward(result.verdict.score, JUDGE_SOURCE, details))
         recorded = await self._finish(
             call_id,
             rollout_id,
@@ -291,7 +320,7 @@ class RewardWorker:
         token: str,
         attempts: int,
         status: str,
-        rewards: list[claims.NewReward],
+        rewards: list[judgements.NewReward],
         error: str,
     ) -> None:
         """An attempt that was the turn's fault: retry it, or record it without a judge reward after the last."""
@@ -302,14 +331,14 @@ class RewardWorker:
             await self._finish(call_id, rollout_id, token, status, rewards, attempt=True, error=error)
             return
         await asyncio.to_thread(
-            claims.release, self.db, call_id, token, retry_in=self.config.retry_delay, attempt=True, error=error
+            judgements.release, self.db, call_id, token, retry_in=self.config.retry_delay, attempt=True, error=error
         )
 
     async def _finish(
-        self, call_id: str, rollout_id: str, token: str, status: str, rewards: list[claims.NewReward], **fields: Any
+        self, call_id: str, rollout_id: str, token: str, status: str, rewards: list[judgements.NewReward], **fields: Any
     ) -> bool:
         recorded = await asyncio.to_thread(
-            claims.finish, self.db, call_id, rollout_id, token, status=status, rewards=rewards, **fields
+            judgements.finish, self.db, call_id, rollout_id, token, status=status, rewards=rewards, **fields
         )
         if recorded:
             self.stats.verdicts += 1
@@ -339,65 +368,4 @@ class RewardWorker:
         )
 
 
-def build_worker(settings: Any) -> tuple[RewardWorker, sa.Engine]:
-    """The worker ``settings`` describe, with its database engine; raises ValueError on a configuration error."""
-    import os
-
-    from gateway.store import db
-    from rewards.functions import load
-    from rewards.judge import load_rubric
-
-    if not settings.reward_worker_enabled:
-        raise ValueError(
-            "nothing to judge with: set --judge-model (CLAWGATE_JUDGE_MODEL) or --reward-fn (CLAWGATE_REWARD_FUNCTIONS)"
-        )
-    functions = [load(spec) for spec in settings.reward_functions]
-    judge: Judge | None = None
-    if settings.judge_model:
-        api_key = None
-        if settings.judge_api_key_env:
-            # The one variable read outside Settings: its *name* is configuration; its value is a secret that must
-            # not be copied into settings (they are passed to child processes and may be printed).
-            api_key = os.environ.get(settings.judge_api_key_env)
-            if api_key is None:
-                raise ValueError(
-                    f"{settings.judge_api_key_env} is not set (CLAWGATE_JUDGE_API_KEY_ENV names it as the judge's key)"
-                )
-            api_key = api_key or None  # set but empty: a judge that takes no key
-        try:
-            rubric = load_rubric(settings.judge_rubric)
-        except OSError as error:
-            raise ValueError(f"cannot read the judge rubric {settings.judge_rubric}: {error}") from error
-        judge = Judge(
-            settings.judge_model,
-            api_base=settings.judge_api_base,
-            api_key=api_key,
-            rubric=rubric,
-            timeout=settings.judge_timeout,
-            max_tokens=settings.judge_max_answer_tokens,
-            temperature=settings.judge_temperature,
-        )
-    current, head = db.current_revision(settings.database_url), db.head_revision()
-    if current != head:
-        raise ValueError(f"database schema is at {current or 'nothing'}, expected {head}: run `clawgate db upgrade`")
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(settings.model)
-    except OSError as error:
-        raise ValueError(f"cannot load the tokenizer of {settings.model}: {error}") from error
-    config = WorkerConfig(
-        concurrency=settings.judge_concurrency,
-        max_attempts=settings.judge_max_attempts,
-        interval=settings.judge_interval,
-        lease=max(300.0, 3 * settings.judge_timeout),
-        limits=Limits(settings.judge_context_tokens, settings.judge_reply_tokens, settings.judge_next_state_tokens),
-        max_staleness=settings.train_max_staleness,
-    )
-    from rewards.turns import tokenizer_decode
-
-    engine = db.connect(settings.database_url)
-    return RewardWorker(engine, tokenizer_decode(tokenizer), judge=judge, functions=functions, config=config), engine
-
-
-__all__ = ["JUDGE_SOURCE", "JudgeUnavailable", "RewardWorker", "WorkerConfig", "WorkerStats", "build_worker"]
+__all__ = ["JUDGE_SOURCE", "JudgeUnavailable", "RewardWorker", "WorkerConfig", "WorkerStats"]

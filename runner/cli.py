@@ -19,8 +19,7 @@ import sys
 from pathlib import Path
 
 from gateway.settings import Settings
-
-DEFAULT_GATEWAY = "http://127.0.0.1:8080"
+from runner.client import DEFAULT_GATEWAY
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -37,6 +36,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gateway", default=None, help=f"gateway URL (CLAWGATE_GATEWAY_URL, default {DEFAULT_GATEWAY})")
     p.add_argument("--model", help="model name harnesses send (default: the gateway's first listed model)")
     p.add_argument("--eval", action="store_true", help="evaluation rollouts: never trained on; pass rates per version")
+    p.add_argument(
+        "--policy-version",
+        type=int,
+        metavar="V",
+        help="serve every rollout by policy@vV (published, not rejected), e.g. a version being evaluated",
+    )
     p.add_argument("--tag", action="append", help="only tasks with this tag (repeatable)")
     p.add_argument("--max-turns", type=int, default=8, help="turn limit passed to harnesses that have one")
     p.add_argument("--retries", type=int, default=2, help="retries per rollout of infrastructure failures")
@@ -120,6 +125,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         retries=args.retries,
         max_turns=args.max_turns,
         pass_threshold=args.pass_threshold,
+        policy_version=args.policy_version,
     )
     total = len(tasks) * len(harnesses) * args.n
     print(

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 TRANSIENT_STATUS = (429, 502, 503, 504)
+DEFAULT_GATEWAY = "http://127.0.0.1:8080"  # CLAWGATE_GATEWAY_URL when unset
 
 
 class InfraFailure(Exception):

@@ -14,7 +14,8 @@ the final workspace, post the reward, finish the rollout, remove the sandbox. Ou
   and every retry is reported.
 
 Evaluation mode creates the rollouts with ``eval: true`` (recorded and rewarded like any other, never trained
-on) and reports pass rates per policy version, read from the versions that served each rollout's calls.
+on) and reports pass rates per policy version, read from the versions that served each rollout's calls. With a
+``policy_version`` every rollout is pinned to that version (one that serves no traffic yet can be evaluated).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class RunConfig:
     retry_backoff: float = 1.0
     max_turns: int = 8
     pass_threshold: float = 1.0
+    policy_version: int | None = None  # serve every rollout by this version (None: as the gateway routes it)
 
     @property
     def base(self) -> str:
@@ -153,6 +155,7 @@ class Runner:
                 "task_id": task.id,
                 "harness": harness.name,
                 "eval": self.config.eval,
+                **({"policy_version": self.config.policy_version} if self.config.policy_version is not None else {}),
                 "metadata": {
                     "runner": {
                         "index": index,

@@ -237,3 +237,15 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         yield url
     else:
         yield request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture
+def sandboxes(tmp_path: Path) -> Iterator[Any]:
+    """The task runner's bubblewrap sandboxes, under the test's temporary folder (bubblewrap required)."""
+    from runner.sandbox import SandboxFactory
+    from tests.runner_support import require_bwrap
+
+    require_bwrap()
+    factory = SandboxFactory("bwrap", base_dir=tmp_path / "sandboxes")
+    yield factory
+    factory.close()

@@ -7,7 +7,7 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
 
-from gateway.engines.base import GenerationEnd, GenerationEvent, GenerationRequest, TokenDelta
+from gateway.engines.base import GenerationEnd, GenerationEvent, GenerationRequest, TokenDelta, answer_once
 from gateway.errors import EngineError
 
 
@@ -60,6 +60,9 @@ class ScriptedEngine:
 
     async def adapters(self) -> list[str]:
         return sorted(self.loaded)
+
+    async def verify_adapter(self, name: str, prompt_ids: list[int]) -> None:
+        await answer_once(self, name, prompt_ids)
 
     async def health(self) -> bool:
         return True

@@ -65,14 +65,19 @@ class UpProcess:
         return "\n".join(x for x in self.lines[-80:] if "Loading weights" not in x)
 
     def stop(self, timeout: float = 90.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return int(self.proc.returncode)
+        return terminate(self.proc, timeout)
+
+
+def terminate(proc: subprocess.Popen[Any], timeout: float = 90.0) -> int:
+    """SIGTERM a child started in its own session, SIGKILL its group after ``timeout`` s; its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return int(proc.returncode)
 
 
 def wait_healthy(url: str, up: UpProcess, timeout: float, version: int | None = 0) -> dict[str, Any]:

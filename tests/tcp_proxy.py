@@ -80,6 +80,10 @@ class TcpProxy:
         for s in sockets:
             with contextlib.suppress(OSError):
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+                # shutdown() ends the connection now: close() alone leaves it open while a pipe thread is blocked
+                # in recv() on it (the kernel keeps the socket until that call returns).
+                s.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
                 s.close()
 
     def restore(self) -> None:

@@ -14,9 +14,9 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from gateway.conversation import Message, ToolCall, normalized
-from gateway.protocol.anthropic import MessagesRequest
-from gateway.serving.messages import to_messages
+from gateway.core.conversation import Message, ToolCall, normalized
+from gateway.protocols.anthropic.serving import to_messages
+from gateway.protocols.anthropic.wire import MessagesRequest
 from gateway.store import codec
 from gateway.store.db import connect
 from tests.conftest import LiveGateway
@@ -142,7 +142,7 @@ def test_non_streaming_is_served_and_captured(client, shared_gateway, tiny_token
     assert codec.unpack_ids(row["prompt_delta"]) == tiny_tokenizer.encode(expected, add_special_tokens=False)
     text = "".join(b.text for b in msg.content if b.type == "text")
     decoded = tiny_tokenizer.decode(codec.unpack_ids(row["completion_ids"]), skip_special_tokens=True)
-    assert text in decoded
+    assert text and text == decoded.strip()
 
 
 def test_streaming_is_served_and_captured(shared_gateway):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -9,6 +11,7 @@ import sqlalchemy as sa
 
 from gateway.store import codec
 from gateway.store.db import connect
+from tests.fakes import ScriptedEngine
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
 TOOLS = [
@@ -61,21 +64,26 @@ def test_non_streaming_chat_is_served_and_captured(client, shared_gateway, tiny_
     # The stored prompt is the chat template rendering of the messages.
     expected = tiny_tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert codec.unpack_ids(row["prompt_delta"]) == tiny_tokenizer.encode(expected, add_special_tokens=False)
-    # What the client saw is the decoded completion.
-    assert (choice.message.content or "") in tiny_tokenizer.decode(ids, skip_special_tokens=True)
+    # What the client saw is the decoded completion (seed 3 samples text, not an immediate end of turn).
+    content = choice.message.content or ""
+    assert content and content == tiny_tokenizer.decode(ids, skip_special_tokens=True).strip()
 
 
-def test_streaming_with_usage(client, shared_gateway):
-    stream = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=10, stream=True, stream_options={"include_usage": True}
+def test_streaming_with_usage(client, shared_gateway, tiny_tokenizer):
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=MESSAGES, max_tokens=10, seed=3, stream=True, stream_options={"include_usage": True}
     )
-    chunks = list(stream)
+    chunks = list(raw.parse())
     usage = [c.usage for c in chunks if c.usage is not None]
     assert len(usage) == 1 and usage[0].completion_tokens >= 1
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes and finishes[-1] in ("stop", "length")
+    # The streamed deltas add up to the captured completion's text (seed 3 samples text at once).
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert isinstance(text, str)
+    [row] = calls(shared_gateway, f"id = '{raw.headers['x-clawgate-call-id']}'")
+    ids = codec.unpack_ids(row["completion_ids"])
+    assert len(ids) == usage[0].completion_tokens
+    assert text and text == tiny_tokenizer.decode(ids, skip_special_tokens=True).strip()
 
 
 async def test_async_client_streaming_and_not(shared_gateway):
@@ -138,12 +146,26 @@ def test_stop_sequences_trim_output(client, tiny_tokenizer):
     assert resp.choices[0].finish_reason == "stop"
 
 
-def test_tools_offered(client):
-    resp = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=10)
-    choice = resp.choices[0]
-    assert choice.finish_reason in ("stop", "length", "tool_calls")
-    if choice.message.tool_calls:  # a random model rarely calls; when it does the call is well-formed
-        assert choice.message.tool_calls[0].function.name
+def test_tools_offered(client, shared_gateway, tiny_tokenizer):
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=10)
+    assert raw.parse().choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # The offered tool reaches the model: its schema is in the rendered prompt.
+    [row] = calls(shared_gateway, f"id = '{raw.headers['x-clawgate-call-id']}'")
+    prompt = tiny_tokenizer.decode(codec.unpack_ids(row["prompt_delta"]))
+    assert '"name": "read_file"' in prompt and "Read a file" in prompt
+
+
+def test_a_tool_call_reaches_the_sdk_as_tool_calls(gateway_factory, tiny_tokenizer):
+    """A random model rarely calls a tool, so the call is scripted: the model's call comes back well-formed."""
+    engine = ScriptedEngine(tiny_tokenizer)
+    gw = gateway_factory(engine=engine, tokenizer=tiny_tokenizer)
+    engine.push('<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}}\n</tool_call>')
+    client = openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0)
+    choice = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls or []
+    assert call.type == "function" and call.id
+    assert call.function.name == "read_file" and json.loads(call.function.arguments) == {"path": "a.txt"}
 
 
 def test_unknown_model_raises_not_found(client):
@@ -209,14 +231,19 @@ def test_unknown_fields_are_tolerated(client):
         model="tiny",
         messages=MESSAGES,
         max_tokens=3,
+        seed=0,
         extra_body={"some_vendor_field": {"x": 1}, "prompt_cache_key": "k"},
     )
-    assert resp.choices
+    # Served as usual: seed 0 samples no end of turn in 3 tokens, so the answer runs to its max_tokens.
+    choice = resp.choices[0]
+    assert choice.finish_reason == "length" and resp.usage.completion_tokens == 3 and choice.message.content
 
 
 def test_server_side_cap(client, shared_gateway):
     resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10_000, temperature=0)
-    assert resp.usage.completion_tokens <= shared_gateway.settings.max_tokens
+    # The greedy answer has no end of turn before the gateway's cap: it is cut there, not at the asked 10 000.
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == shared_gateway.settings.max_tokens
 
 
 def test_completions_with_text_and_token_prompts(client, tiny_tokenizer):
@@ -262,7 +289,8 @@ def test_api_keys_enforced(gateway_factory):
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
     good = openai.OpenAI(base_url=gw.v1, api_key="k2", max_retries=0)
-    assert good.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2).choices
+    served = good.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert served.choices[0].message.role == "assistant" and served.usage.completion_tokens >= 1
     r = httpx.post(
         gw.v1 + "/chat/completions", json={"model": "tiny", "messages": MESSAGES}, headers={"x-api-key": "k1"}
     )

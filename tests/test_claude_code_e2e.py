@@ -1,7 +1,8 @@
 """Claude Code itself (the npm package) pointed at a live gateway with `ANTHROPIC_BASE_URL`.
 
-The package is installed once per machine into `.clawgate/test-cache/npm` (gitignored), so reruns reuse it; without
-npm, or when the registry refuses, the tests skip and say why. Two runs of `claude -p "say hi" --max-turns 2`:
+The package is the version pinned in `tests/harnesses/package-lock.json`, installed with the other harnesses
+(`tests/npm_harnesses.py`) into `.clawgate/test-cache/npm` (gitignored), so reruns reuse it; without npm, or when the
+registry refuses, the tests skip and say why. Two runs of `claude -p "say hi" --max-turns 2`:
 
 - against a scripted answer, Claude Code must print it and exit 0 (the whole protocol round trip works);
 - against the real tiny model, every call is captured with its token ids under the session's rollout id. The
@@ -13,7 +14,6 @@ npm, or when the registry refuses, the tests skip and say why. Two runs of `clau
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -24,40 +24,16 @@ import sqlalchemy as sa
 
 from gateway.store.db import connect
 from tests.fakes import ScriptedEngine
-from tests.missing import missing
+from tests.npm_harnesses import harness_exe
 
-NPM_DIR = Path(__file__).resolve().parent.parent / ".clawgate" / "test-cache" / "npm"
-PACKAGE = "@anthropic-ai/claude-code"
 # Each call with the real model re-reads a ~32k-token prompt (10-20 s on two CPU cores, depending on load): the
 # whole run took 60 s here and 103 s with both cores taken by other work; the limit leaves room for a shared machine.
 TIMEOUT_S = 400
 
 
-def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-
-
 @pytest.fixture(scope="session")
 def claude_exe() -> Path:
-    exe = NPM_DIR / "node_modules" / ".bin" / "claude"
-    if not exe.exists():
-        npm = shutil.which("npm")
-        if npm is None:
-            missing("npm is not installed: cannot install Claude Code")
-        try:
-            view = _run([npm, "view", PACKAGE, "version"], timeout=60)
-        except subprocess.TimeoutExpired:
-            missing("the npm registry did not answer within 60 s")
-        if view.returncode != 0:
-            missing(f"the npm registry refused `npm view {PACKAGE}`: {view.stderr.strip()[-300:]}")
-        NPM_DIR.mkdir(parents=True, exist_ok=True)
-        install = _run([npm, "install", "--prefix", str(NPM_DIR), "--no-audit", "--no-fund", PACKAGE], timeout=600)
-        if install.returncode != 0 or not exe.exists():
-            missing(f"`npm install {PACKAGE}` failed: {install.stderr.strip()[-300:]}")
-    version = _run([str(exe), "--version"], timeout=60)
-    if version.returncode != 0:
-        missing(f"the installed Claude Code does not run on this machine: {version.stderr.strip()[-300:]}")
-    return exe
+    return harness_exe("claude")
 
 
 def run_claude(exe: Path, base_url: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], float]:

@@ -553,7 +553,9 @@ def excluded_from_build(path: str) -> bool:
 
 def test_dockerfile_runs_clawgate_as_a_non_root_user() -> None:
     instructions = dockerfile_instructions()
-    assert instructions[0] == ("FROM", "python:3.11-slim")
+    # Users build on python:3.11-slim; BASE_IMAGE lets the test suite build on a local image (tests/test_image.py).
+    assert instructions[:2] == [("ARG", "BASE_IMAGE=python:3.11-slim"), ("FROM", "${BASE_IMAGE}")]
+    assert [instruction for instruction, _ in instructions].count("FROM") == 1
     entrypoints = [json.loads(args) for instruction, args in instructions if instruction == "ENTRYPOINT"]
     assert entrypoints == [["clawgate"]]
     users = [args for instruction, args in instructions if instruction == "USER"]

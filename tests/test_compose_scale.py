@@ -30,7 +30,7 @@ import yaml
 
 from clawgate import cli
 from gateway import cli as gateway_cli
-from gateway.engines.vllm_server import free_port
+from gateway.engines.managed import free_port
 from gateway.settings import Settings
 from tests.missing import missing
 from tests.test_compose import (

@@ -8,6 +8,10 @@ shows its decoded calls, coloured tokens, rewards and the retry the tree filtere
 page shows each version's stage, a running canary's arms (the same figures as ``GET /v1/policy``), the verdict so far
 and the decisions, and its buttons promote or reject the candidate. Screenshots of every page land in the test's tmp
 dir (``screenshots/``).
+
+The versions are published with distinct non-zero adapters, and after every pin, unpin, rollback, promotion and
+rejection from the console a greedy completion through the gateway must be the served version's reference ids (base
+model + its adapter, computed in the test): a gateway serving one version's weights under another's name fails.
 """
 
 from __future__ import annotations
@@ -31,9 +35,9 @@ from gateway.store.db import connect
 from gateway.store.models import TrainStep
 from gateway.store.policy_control import Control
 from tests.missing import missing
-from tests.policies import publish
+from tests.policies import PROBE, assert_serves, distinct_references, publish, served_ids
 from tests.test_promotion import ADMIN as PROMOTION_ADMIN
-from tests.test_promotion import GUARDED, User, start_canary
+from tests.test_promotion import GUARDED, User, stage
 
 ADMIN_KEY = "console-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -166,8 +170,9 @@ def console(gateway_factory, tiny_model_dir, tmp_path) -> Any:
     adapters = tmp_path / "adapters"
     gw = gateway_factory(admin_key=ADMIN_KEY, policy_poll_interval=0.1, adapter_dir=adapters, max_tokens=16)
     url = gw.settings.database_url
+    paths = {}
     for version in range(3):
-        publish(url, adapters, tiny_model_dir, version)
+        paths[version] = publish(url, adapters, tiny_model_dir, version, scale=0.5, seeded=True)
         wait_for(lambda v=version: gw.state.service.policy_version == v, what=f"policy@v{version}")
         for reward in (0.2 * version, 0.2 * version + 0.1):
             task_rollout(gw, "fix-bug", reward)
@@ -177,6 +182,7 @@ def console(gateway_factory, tiny_model_dir, tmp_path) -> Any:
     gw.retry_rollout = retried_rollout(gw)
     train_steps(url)
     gw.flush()
+    gw.references = distinct_references(tiny_model_dir, paths, PROBE, 8)
     return gw
 
 
@@ -245,19 +251,27 @@ def test_the_console_shows_what_serves_what_learns_and_what_happened(console, ch
         assert "current" in page.inner_text("#policy-versions tr.current")
         page.screenshot(path=str(shots / "versions.png"), full_page=True)
 
-        # Pin, unpin and roll back from the page change what the gateway serves (as /health reports it).
+        # Pin, unpin and roll back from the page change what the gateway serves: as /health reports it, and by
+        # content (that version's weights answer).
         def health_policy() -> tuple[int | None, int | None]:
             policy = httpx.get(console.url + "/health").json()["policy"]
             return policy["version"], policy["pinned_version"]
 
+        def serves(version: int) -> None:
+            assert_serves(console, version, console.references, PROBE, ADMIN)
+
+        serves(2)
         page.click('tr[data-version="0"] button.pin')
         assert page.url == console.url + "/dashboard/versions"
         assert health_policy() == (0, 0) and "Pinned to policy@v0" in page.inner_text("#policy-control")
+        serves(0)
         page.screenshot(path=str(shots / "versions-pinned.png"), full_page=True)
         page.click("#unpin")
         assert health_policy() == (2, None)
+        serves(2)
         page.click('tr[data-version="1"] button.rollback')
         assert health_policy() == (1, 1) and "rollback" in page.inner_text("#policy-control")
+        serves(1)
 
         # Signing out ends the session.
         page.click("header button")
@@ -273,8 +287,18 @@ def test_the_console_shows_what_serves_what_learns_and_what_happened(console, ch
 @pytest.fixture
 def canary_console(gateway_factory, tiny_model_dir, tmp_path) -> Any:
     """A guarded gateway serving v0 with v1 in a 50% canary that stays undecided (its minimum sample is out of reach),
-    and two-turn conversations with feedback until both arms have rewarded turns."""
-    gw = start_canary(gateway_factory, tiny_model_dir, tmp_path, canary_min_turns=10_000)
+    and two-turn conversations with feedback until both arms have rewarded turns. Both versions have non-zero
+    adapters whose greedy answers differ (``gw.references``)."""
+    adapters = tmp_path / "adapters"
+    gw = gateway_factory(adapter_dir=adapters, **{**GUARDED, "canary_min_turns": 10_000})
+    url = gw.settings.database_url
+    paths = {0: publish(url, adapters, tiny_model_dir, 0, scale=0.5, seeded=True)}
+    wait_for(lambda: gw.state.service.policy_version == 0, "v0 served")
+    assert stage(url, 0) == "promoted", "the first version has nothing to be compared with"
+    paths[1] = publish(url, adapters, tiny_model_dir, 1, scale=0.5, seeded=True)
+    wait_for(lambda: gw.state.service.routing.candidate is not None, "the canary to start")
+    assert gw.state.service.policy_version == 0, "the incumbent still serves everything else"
+    gw.references = distinct_references(tiny_model_dir, paths, PROBE, GUARDED["max_tokens"])
     user = User(score={0: 0.8, 1: 0.4})
     for _ in range(30):
         user.converse([gw])
@@ -299,6 +323,8 @@ def test_the_versions_page_shows_a_running_canary_and_its_reject_button_ends_it(
     expected = promotion_of(gw)
     arms = expected["arms"]
     assert expected["stage"] == "canary" and arms["candidate"]["n"] > 0 and arms["incumbent"]["n"] > 0, expected
+    got = served_ids(gw, PROBE, GUARDED["max_tokens"], PROMOTION_ADMIN)
+    assert got["ids"] == gw.references[got["version"]], "either arm answers with the weights its call records"
     errors: list[str] = []
     with browser_page(chromium_path, errors) as page:
         page.goto(gw.url + "/dashboard/versions")
@@ -337,6 +363,7 @@ def test_the_versions_page_shows_a_running_canary_and_its_reject_button_ends_it(
         assert newest.get_attribute("data-outcome") == "rejected" and "operator" in newest.inner_text()
         page.screenshot(path=str(tmp_path / "versions-rejected.png"), full_page=True)
     assert gw.state.service.routing.candidate is None and gw.state.service.policy_version == 0
+    assert_serves(gw, 0, gw.references, PROBE, PROMOTION_ADMIN)  # the incumbent's weights, for every conversation
     assert not errors, errors
     assert shot.stat().st_size > 0
 
@@ -356,12 +383,13 @@ def test_the_versions_page_carries_the_canary_figures_and_promotes_from_its_form
         promoted = client.post("/dashboard/policy/promote", data={"version": "1"})
         assert promoted.status_code == 303 and promoted.headers["location"] == "/dashboard/versions"
         assert gw.state.service.policy_version == 1, "the promoted candidate is the incumbent at once"
+        assert_serves(gw, 1, gw.references, PROBE, PROMOTION_ADMIN)
         [newest, *_] = promotion_of(gw)["decisions"]
         assert (newest["version"], newest["outcome"], newest["decided_by"]) == (1, "promoted", "operator")
 
         again = client.post("/dashboard/policy/promote", data={"version": "1"}, follow_redirects=True)
         assert again.status_code == 200 and 'role="alert"' in again.text
-        assert "policy@v1 is not a candidate or in a canary" in again.text
+        assert "policy@v1 is not being evaluated, a candidate or in a canary" in again.text
 
 
 def test_a_decision_on_evidence_shows_both_arms_and_every_text_is_escaped():
@@ -401,6 +429,15 @@ def test_a_decision_on_evidence_shows_both_arms_and_every_text_is_escaped():
     assert "5 min ago" in html and "No version awaits a decision" in html
     assert "&lt;gw-a&gt;" in html and "&lt;tiny&gt;" in html and "&lt;b&gt;bad&lt;/b&gt;" in html
     assert "<gw-a>" not in html and "<b>bad</b>" not in html
+
+    # A version before its evaluation gate: named, with its stage, and decidable by hand.
+    gated = {**promo, "candidate": 3, "stage": "evaluating"}
+    html = routes.templates().get_template("versions.html").render(
+        served_model="tiny", policy={"adapter": "policy@v2", "version": 2}, title="Versions", versions=[],
+        control=Control(), promo=gated, canary_since=None, decisions=[], error=None,
+    )  # fmt: skip
+    assert '<span class="stage stage-evaluating">evaluating</span> <b>policy@v3</b> serves no traffic' in html
+    assert 'name="version" value="3"' in html
 
 
 def test_a_forged_or_expired_session_is_refused():

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from gateway.conversation import (
+from gateway.core.conversation import (
     Message,
     ToolCall,
     ToolSpec,
@@ -402,7 +402,7 @@ def test_whitespace_removal_matches_the_regex_on_every_code_point() -> None:
     # characters, or a conversation answered before an upgrade would no longer splice.
     import re
 
-    from gateway.conversation import _norm_text
+    from gateway.core.conversation import _norm_text
 
     pattern = re.compile(r"\s+")
     every = "".join(f"{chr(code)}." for code in range(0x110000) if not 0xD800 <= code <= 0xDFFF)

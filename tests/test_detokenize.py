@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from gateway.detokenize import IncrementalDetokenizer
+from gateway.core.detokenize import IncrementalDetokenizer
 
 TEXT_CONTROL = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
 CORPUS = [

@@ -41,6 +41,10 @@ def test_openclaw_chat_completions_stream(gateway_factory):
     assert last["choices"] == [] and last["usage"]["completion_tokens"] >= 1
     assert all(c["usage"] is None for c in chunks[:-1])
     offered = {t["function"]["name"] for t in body["tools"]}
-    for c in chunks[1:-1]:
-        for call in c["choices"][0]["delta"].get("tool_calls") or []:
-            assert call["function"].get("name", "exec") in offered  # only a call's first delta names it
+    # Between the role chunk and the usage chunk, the answer itself: text or tool-call deltas, not nothing.
+    assert len(chunks) >= 3, chunks
+    middle = [c["choices"][0]["delta"] for c in chunks[1:-1]]
+    calls = [call for delta in middle for call in delta.get("tool_calls") or []]
+    assert "".join(delta.get("content") or "" for delta in middle) or calls, chunks
+    for call in calls:
+        assert call["function"].get("name", "exec") in offered  # only a call's first delta names it

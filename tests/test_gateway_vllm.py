@@ -89,7 +89,12 @@ def test_core_flows_via_vllm(gw):
     two = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, n=2, seed=1)
     assert sorted(c.index for c in two.choices) == [0, 1]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
-    assert client.chat.completions.create(model="tiny", messages=MESSAGES, tools=tools, max_tokens=4).choices
+    offered = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=MESSAGES, tools=tools, max_tokens=4
+    )
+    assert offered.parse().choices[0].finish_reason in ("stop", "length", "tool_calls")
+    [(_, prompt, _, _)] = stored(gw, "id = :i", {"i": offered.headers["x-clawgate-call-id"]})
+    assert '"name": "f"' in gw.state.tokenizer.decode(prompt)  # the tool reached the model
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="other", messages=MESSAGES)
     with pytest.raises(openai.BadRequestError):
@@ -110,9 +115,12 @@ def test_stop_sequences_via_vllm(gw):
         )
         if len(text.strip()) >= 6:
             break
+    else:
+        pytest.fail("no seed produced 6 characters of text to stop in")
     stop = text.strip()[3:5]
     resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, seed=seed, stop=[stop])
-    assert stop not in (resp.choices[0].message.content or "")
+    out = resp.choices[0].message.content or ""
+    assert stop not in out and text.startswith(out)
     assert resp.choices[0].finish_reason == "stop"
 
 

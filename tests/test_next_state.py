@@ -13,14 +13,14 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from gateway.conversation import Message
-from gateway.next_state import RULE_SOURCE, next_state, tool_errors
-from gateway.protocol.anthropic import MessagesRequest
-from gateway.protocol.openai import ChatCompletionRequest
-from gateway.protocol.responses import ResponsesRequest
-from gateway.serving import chat as chat_serving
-from gateway.serving import messages as messages_serving
-from gateway.serving import responses as responses_serving
+from gateway.core.conversation import Message
+from gateway.core.next_state import RULE_SOURCE, next_state, tool_errors
+from gateway.protocols.anthropic import serving as messages_serving
+from gateway.protocols.anthropic.wire import MessagesRequest
+from gateway.protocols.openai import chat as chat_serving
+from gateway.protocols.openai.wire import ChatCompletionRequest
+from gateway.protocols.responses import serving as responses_serving
+from gateway.protocols.responses.wire import ResponsesRequest
 from gateway.store.db import connect
 from gateway.store.models import Call, Reward
 from tests.fakes import ScriptedEngine

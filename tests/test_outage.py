@@ -25,11 +25,12 @@ def through(proxy: TcpProxy, url: str) -> str:
     return make_url(url).set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
 
 
-def call(gw: Any, engine: ScriptedEngine, i: int) -> tuple[float, str]:
+def call(gw: Any, engine: ScriptedEngine, i: int, rollout: str | None = None) -> tuple[float, str]:
     engine.push(f"answer {i}")
     body = {"model": "tiny", "messages": [{"role": "user", "content": f"question {i}"}]}
+    headers = {"X-Rollout-Id": rollout} if rollout else {}
     t0 = time.perf_counter()
-    r = httpx.post(gw.v1 + "/chat/completions", json=body, timeout=30)
+    r = httpx.post(gw.v1 + "/chat/completions", json=body, headers=headers, timeout=30)
     elapsed = time.perf_counter() - t0
     assert r.status_code == 200, r.text
     return elapsed, r.headers["x-clawgate-call-id"]
@@ -58,7 +59,8 @@ def test_a_database_outage_slows_nothing_floods_nothing_and_loses_nothing(
         deadline = time.monotonic() + OUTAGE_S
         i = 1
         while time.monotonic() < deadline:
-            elapsed, call_id = call(gw, engine, i)
+            # Now and then a client-named rollout, new to this gateway: served without the store as well.
+            elapsed, call_id = call(gw, engine, i, f"ro-outage-{i}" if i % 10 == 0 else None)
             latencies.append(elapsed)
             served.append(call_id)
             i += 1

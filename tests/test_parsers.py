@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from gateway.parsers import (
+from gateway.core.parsers import (
     DEFAULT_PARSER,
     HermesParser,
     OutputParser,

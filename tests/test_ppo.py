@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import math
 import sqlite3
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,7 @@ from tests.conftest import module_gateway
 from trainer import lora, ppo
 from trainer.advantages import gae
 from trainer.batch import pack_trees
-from trainer.config import TrainConfig
-from trainer.loss import policy_loss, value_loss
+from trainer.config import TrainConfig, Trigger
 from trainer.step import Trainer
 
 ADMIN = {"Authorization": "Bearer adm"}
@@ -51,8 +51,8 @@ def settings(**overrides: Any) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def two_branch_tree(seed: int = 0) -> RolloutTree:
-    """prompt → completion a → user turn → two sibling completions b1, b2 (retries, both kept)."""
+def two_branch_calls(seed: int = 0) -> list[CallView]:
+    """prompt → completion a → user turn → two sibling completions b1, b2 (retries of one turn)."""
     rng = np.random.default_rng(seed)
 
     def ids(n: int) -> list[int]:
@@ -62,12 +62,16 @@ def two_branch_tree(seed: int = 0) -> RolloutTree:
         return rng.uniform(-3.0, -0.1, size=n).tolist()
 
     prompt, a, user, b1, b2 = ids(12), ids(5), ids(4), ids(6), ids(3)
-    calls = [
+    return [
         CallView("c0", prompt, a, lp(5), 0.0, "ok"),
         CallView("c1", prompt + a + user, b1, lp(6), 1.0, "ok"),
         CallView("c2", prompt + a + user, b2, lp(3), 2.0, "ok"),
     ]
-    tree = build_tree(calls, KEEP_BOTH)
+
+
+def two_branch_tree(seed: int = 0) -> RolloutTree:
+    """The calls of ``two_branch_calls`` as a tree with both retries kept: two branches."""
+    tree = build_tree(two_branch_calls(seed), KEEP_BOTH)
     assert len(tree.leaves()) == 2 and not tree.dropped
     return tree
 
@@ -172,7 +176,8 @@ def snapshot(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in params.items()}
 
 
-TREES_REWARDS = ([two_branch_tree(seed) for seed in range(4)], [1.0, -1.0, 0.5, -0.5])
+CALLS = [two_branch_calls(seed) for seed in range(4)]
+TREES_REWARDS = ([build_tree(calls, KEEP_BOTH) for calls in CALLS], [1.0, -1.0, 0.5, -0.5])
 
 
 def test_value_head_learns_fixed_returns(policy):
@@ -234,41 +239,69 @@ def sgd_step(policy: Any, critic: ppo.Critic, trees, rewards, cfg: TrainConfig) 
     return ppo.optimize(policy, torch.optim.SGD(trainable(policy), lr=1.0), critic, trees, rewards, cfg)
 
 
-def reference_grads(policy: Any, critic: ppo.Critic, trees, rewards, cfg: TrainConfig) -> list[torch.Tensor]:
-    """Per-path PPO written out: every path row gets its own branch's advantages and returns, weight 1/c."""
-    branch_of: dict[tuple[int, frozenset[ppo.Key]], ppo.Branch] = {}
-    batches = pack_trees(trees, "paths", 16384)
-    with torch.no_grad():
-        values: dict[tuple[int, int, int], float] = {}
-        for b in batches:
-            _, hidden = ppo._forward(policy, b, 1.0)
-            keys = zip(b.rollout_index.tolist(), b.nodes.tolist(), b.depths.tolist(), strict=True)
-            values.update(zip(keys, critic.head(hidden).tolist(), strict=True))
-    for i, (tree, reward) in enumerate(zip(trees, rewards, strict=True)):
-        own = {(n, d): v for (t, n, d), v in values.items() if t == i}
-        for br in ppo.branch_gae(tree, reward, own, gamma=cfg.gamma, lam=cfg.lam):
-            branch_of[(i, frozenset(br.keys))] = br
+def paths_of(calls: list[CallView]) -> list[tuple[list[int], dict[int, float]]]:
+    """Each leaf call's full sequence with its trained positions and their sampled logprobs: the completions of
+    every call whose prompt + completion the sequence begins with (the leaf's own included)."""
+    full = {c.id: [*c.prompt_ids, *c.completion_ids] for c in calls}
+    out = []
+    for leaf in calls:
+        seq = full[leaf.id]
+        if any(o.id != leaf.id and full[o.id][: len(seq)] == seq for o in calls):
+            continue  # continued by another call: not a leaf
+        trained: dict[int, float] = {}
+        for c in calls:
+            if seq[: len(full[c.id])] == full[c.id]:
+                trained.update(zip(range(len(c.prompt_ids), len(full[c.id])), c.completion_logprobs, strict=True))
+        out.append((seq, trained))
+    return out
+
+
+def gae_by_hand(values: list[float], reward: float, gamma: float, lam: float) -> tuple[list[float], list[float]]:
+    """GAE over one path's trained tokens, the reward at the last: δ_k = r_k + γ·V_k+1 − V_k, A_k = δ_k + γλ·A_k+1."""
+    adv = [0.0] * len(values)
+    after = 0.0
+    for k in reversed(range(len(values))):
+        nxt = values[k + 1] if k + 1 < len(values) else 0.0
+        r = reward if k == len(values) - 1 else 0.0
+        after = r + gamma * nxt - values[k] + gamma * lam * after
+        adv[k] = after
+    return adv, [a + v for a, v in zip(adv, values, strict=True)]
+
+
+def reference_grads(policy: Any, critic: ppo.Critic, calls_of: list[list[CallView]], rewards, cfg: TrainConfig):
+    """Per-path PPO written out from the calls alone (not from the trainer's packing, forward, GAE or losses): each
+    path is run through the model by itself, its trained tokens get their own GAE targets, and a token on c paths
+    weighs 1/c in each. With one update, logp_old is the current policy and V_old the current head, so the loss
+    gradient is −w·A·∇logp (w the IS weight against the sampled logprob, capped at 2) plus value_coef·(V − R)·∇V."""
+    w_head, b_head = critic.head.linear.weight, critic.head.linear.bias
     params = [*trainable(policy), *critic.head.parameters()]
     for p in params:
         p.grad = None
-    total = sum(float(b.weights.sum()) for b in batches)
-    for b in batches:
-        logp, hidden = ppo._forward(policy, b, 1.0)
-        vals = critic.head(hidden)
-        adv, ret = torch.zeros_like(logp), torch.zeros_like(logp)
-        for row in range(b.input_ids.shape[0]):
-            sel = (b.rows == row).nonzero().squeeze(-1)
-            tree_index = int(b.rollout_index[sel[0]])
-            keys = list(zip(b.nodes[sel].tolist(), b.depths[sel].tolist(), strict=True))
-            br = branch_of[(tree_index, frozenset(keys))]
-            at = {k: j for j, k in enumerate(br.keys)}
-            adv[sel] = torch.tensor([br.advantages[at[k]] for k in keys], dtype=torch.float32)
-            ret[sel] = torch.tensor([br.returns[at[k]] for k in keys], dtype=torch.float32)
-        pl, _ = policy_loss(
-            logp, logp.detach(), b.rollout_logprobs, adv, b.trainable, aggregation="token_sum", weights=b.weights
-        )
-        vl, _ = value_loss(vals, ret, b.trainable, old_values=vals.detach(), weights=b.weights, aggregation="token_sum")
-        ((pl + cfg.value_coef * vl) / total).backward()
+    work = []
+    distinct = 0
+    for calls, reward in zip(calls_of, rewards, strict=True):
+        paths = paths_of(calls)
+        # A token is its prefix: a shared one lies on several paths, siblings at one position are distinct.
+        on_paths = Counter(tuple(seq[: p + 1]) for seq, trained in paths for p in trained)
+        distinct += len(on_paths)  # the loss: a sum over distinct trained tokens divided by their number
+        work += [(seq, trained, reward, on_paths) for seq, trained in paths]
+    total = torch.zeros(())
+    for seq, trained, reward, on_paths in work:
+        out = policy(input_ids=torch.tensor([seq]), output_hidden_states=True, use_cache=False)
+        positions = sorted(trained)
+        src = torch.tensor([p - 1 for p in positions])  # the logits and state that predict token p
+        logp = torch.log_softmax(out.logits[0, src].float() / cfg.temperature, -1)[
+            torch.arange(len(positions)), torch.tensor([seq[p] for p in positions])
+        ]
+        values = (out.hidden_states[-1][0, src].float() @ w_head.T).squeeze(-1) + b_head
+        adv, ret = gae_by_hand(values.tolist(), reward, cfg.gamma, cfg.lam)
+        rollout = torch.tensor([trained[p] for p in positions])
+        w = torch.clamp(torch.exp(logp.detach() - rollout), max=2.0)
+        c = torch.tensor([float(on_paths[tuple(seq[: p + 1])]) for p in positions])
+        pg = -(w * torch.tensor(adv) * torch.exp(logp - logp.detach()))
+        vl = 0.5 * torch.square(values - torch.tensor(ret))
+        total = total + ((pg + cfg.value_coef * vl) / c).sum()
+    (total / distinct).backward()
     torch.nn.utils.clip_grad_norm_(trainable(policy), 1.0)
     torch.nn.utils.clip_grad_norm_(critic.head.parameters(), 1.0)
     return [p.grad.clone() for p in params]  # type: ignore[union-attr]
@@ -279,7 +312,7 @@ def test_tree_and_path_layouts_give_per_path_ppo_gradients(policy):
     cfg = settings(gamma=0.9, lam=0.8, value_coef=0.5)
     critic = ppo.Critic.for_policy(policy, lr=1.0)
     randomize(policy, critic, seed=5)
-    expected = reference_grads(policy, critic, trees, rewards, cfg)
+    expected = reference_grads(policy, critic, CALLS, rewards, cfg)
     metrics = {}
     for strategy in ("tree", "paths"):
         pol, cri = copy.deepcopy(policy), copy.deepcopy(critic)
@@ -479,8 +512,8 @@ def test_a_failed_step_is_recorded_as_failed_with_its_algorithm_and_the_loop_ret
         return real_step()
 
     trainer.step = flaky_step  # type: ignore[method-assign]
-    config = loop.LoopConfig(min_rollouts=1, min_groups=1, interval=0.05, max_steps=1, max_backoff=0.1)
-    assert loop.run(trainer, config, stop=threading.Event()) == 1
+    trainer.config.trigger = Trigger(min_rollouts=1, min_groups=1, interval=0.05, max_steps=1, max_backoff=0.1)
+    assert loop.run(trainer, stop=threading.Event()) == 1
     with engine.connect() as conn:
         steps = conn.execute(
             sa.text("SELECT algorithm, status, base_version, version, error FROM train_steps ORDER BY id")
@@ -512,8 +545,8 @@ def test_a_rollback_request_republishes_the_earlier_weights_as_the_next_version(
     policy_control.request_rollback(engine, 0)
 
     stop = threading.Event()
-    config = loop.LoopConfig(min_rollouts=1, interval=0.05)
-    loop.run(trainer, config, stop=stop, on_wait=lambda why: stop.set())
+    trainer.config.trigger = Trigger(min_rollouts=1, interval=0.05)
+    loop.run(trainer, stop=stop, on_wait=lambda why: stop.set())
     assert trainer.version == 2
     v0, v1, v2 = (cfg.adapter_dir / f"policy@v{v}" for v in (0, 1, 2))
     w0, w1, w2 = (load_file(v / "adapter_model.safetensors") for v in (v0, v1, v2))

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from gateway.promotion.routing import in_canary
-from gateway.store import db, promotion
+from gateway.store import db, policy_versions, promotion
 from tests.policies import publish
 
 ADMIN = {"Authorization": "Bearer adm"}
@@ -94,7 +94,7 @@ def served_version(gw: Any, rollout_id: str, call_id: str) -> int:
 def stage(url: str, version: int) -> str | None:
     engine = db.connect(url)
     try:
-        return promotion.stage_of(engine, version)
+        return policy_versions.stage_of(engine, version)
     finally:
         engine.dispose()
 
@@ -271,7 +271,7 @@ def test_operator_promote_and_reject_and_cli_status(gateway_factory, tiny_model_
     assert "candidate: policy@v1 (canary, 50% of new conversations)" in out and "verdict now: wait" in out
 
     assert main(["policy", "promote", "5", "--database-url", url]) == 2
-    assert "policy@v5 is not a candidate or in a canary" in capsys.readouterr().err
+    assert "policy@v5 is not being evaluated, a candidate or in a canary" in capsys.readouterr().err
     r = httpx.post(gw.v1 + "/policy/reject", json={"version": 0}, headers=ADMIN)
     assert r.status_code == 409 and r.json()["error"]["param"] == "version"
     assert main(["policy", "reject", "--database-url", url]) == 0
@@ -305,7 +305,7 @@ def test_after_a_rejection_the_trainer_goes_on_from_the_incumbents_weights(tmp_p
     promotion.set_mode(engine, "guarded")
     adapters = tmp_path / "adapters"
     trainer = Trainer(TrainConfig(database_url=url, model=str(tiny_model_dir), adapter_dir=adapters, lr=0.0), engine)
-    assert promotion.stage_of(engine, 0) == "promoted"
+    assert policy_versions.stage_of(engine, 0) == "promoted"
     # A candidate with other weights, held by the trainer as if its last step had produced it.
     publish(url, adapters, tiny_model_dir, 1, scale=0.5)
     trainer.restore(1)

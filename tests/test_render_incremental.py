@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 
-from gateway.conversation import Message, ToolCall, ToolSpec
-from gateway.protocol.anthropic import MessagesRequest
-from gateway.protocol.openai import ChatCompletionRequest
-from gateway.render import Renderer, Splice
-from gateway.serving import chat, messages
+from gateway.core.conversation import Message, ToolCall, ToolSpec
+from gateway.core.render import Renderer, Splice
+from gateway.protocols.anthropic import serving as messages
+from gateway.protocols.anthropic.wire import MessagesRequest
+from gateway.protocols.openai import chat
+from gateway.protocols.openai.wire import ChatCompletionRequest
 from tests.test_render_splice import QWEN3_STYLE_TEMPLATE, TOOLS
 
 FIXTURES = Path(__file__).parent / "fixtures" / "harness-requests"

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from gateway.conversation import Message, ToolCall, ToolSpec, extend_hash, output_hash
-from gateway.render import SPLICE_MARK, Renderer, Splice
-from gateway.sessions import CallEntry, PromptPlan, SessionIndex, plan_prompt
+from gateway.core.conversation import Message, ToolCall, ToolSpec, extend_hash, output_hash
+from gateway.core.render import SPLICE_MARK, Renderer, Splice
+from gateway.core.sessions import CallEntry, PromptPlan, SessionIndex, plan_prompt
 
 IM_END = "<|im_end|>"
 
@@ -293,7 +293,7 @@ def test_spliced_prompt_is_parent_ids_then_the_templates_text(
     plan = plan_prompt(renderer, index, None, messages, TOOLS)
     assert plan.mode == "spliced"
     assert plan.parent is first.entry
-    parent_ids = first.entry.token_ids
+    parent_ids = list(first.entry.token_ids)
     assert plan.prompt_ids[: len(parent_ids)] == parent_ids
 
     # The rest is exactly the template's text after that turn; the end-of-turn token appears once either way.
@@ -380,14 +380,14 @@ def test_qwen3_style_splice_keeps_raw_reasoning_of_earlier_turns(qwen3_renderer:
     # Turn 2: after the tool result, still within the same user query.
     second = answer(r, index, None, messages, TOOLS, reasoning="REASON-TWO: report it.", content="Sunny, 24C.")
     assert second.plan.mode == "spliced"
-    assert second.plan.prompt_ids[: len(first.entry.token_ids)] == first.entry.token_ids
+    assert second.plan.prompt_ids[: len(first.entry.token_ids)] == list(first.entry.token_ids)
     messages += [second.echo, Message("user", "Thanks! And in Lyon?")]
     # Turn 3: a new user query; the template now drops both earlier <think> blocks.
     plan = plan_prompt(r, index, None, messages, TOOLS)
     assert plan.mode == "spliced"
     assert plan.parent is second.entry
-    assert plan.prompt_ids[: len(second.entry.token_ids)] == second.entry.token_ids
-    assert plan.prompt_ids[: len(first.entry.token_ids)] == first.entry.token_ids
+    assert plan.prompt_ids[: len(second.entry.token_ids)] == list(second.entry.token_ids)
+    assert plan.prompt_ids[: len(first.entry.token_ids)] == list(first.entry.token_ids)
     spliced_text = decode(tiny_tokenizer, plan.prompt_ids)
     assert "REASON-ONE" in spliced_text and "REASON-TWO" in spliced_text
     assert spliced_text.count("<think>") == 2
@@ -408,7 +408,7 @@ def test_qwen3_style_splice_keeps_raw_reasoning_of_earlier_turns(qwen3_renderer:
     messages += [third.echo, Message("user", "Bye")]
     last = plan_prompt(r, index, None, messages, TOOLS)
     assert (last.mode, last.parent) == ("spliced", third.entry)
-    assert last.prompt_ids[: len(third.entry.token_ids)] == third.entry.token_ids
+    assert last.prompt_ids[: len(third.entry.token_ids)] == list(third.entry.token_ids)
     assert decode(tiny_tokenizer, last.prompt_ids).count("<think>") == 3
 
 
@@ -432,7 +432,7 @@ def test_plan_splices_the_latest_known_answer(renderer: Renderer, two_turns: Any
     assert two.plan.mode == "spliced" and two.plan.parent is one.entry
     plan = plan_prompt(renderer, index, None, [*messages, Message("user", "Now three.")], [])
     assert (plan.mode, plan.parent) == ("spliced", two.entry)
-    assert plan.prompt_ids[: len(two.entry.token_ids)] == two.entry.token_ids
+    assert plan.prompt_ids[: len(two.entry.token_ids)] == list(two.entry.token_ids)
 
 
 def test_plan_renders_turns_it_did_not_write_after_the_splice(
@@ -473,7 +473,7 @@ def test_plan_reports_drift_when_history_before_a_known_answer_was_edited(render
     edited = [*messages[:3], Message("user", "Go on!"), messages[4], Message("user", "Three?")]
     plan = plan_prompt(renderer, index, None, edited, [])
     assert (plan.mode, plan.parent) == ("drifted", one.entry)
-    assert plan.prompt_ids[: len(one.entry.token_ids)] == one.entry.token_ids
+    assert plan.prompt_ids[: len(one.entry.token_ids)] == list(one.entry.token_ids)
 
 
 def test_plan_reports_drift_when_a_known_answer_was_rewritten_in_place(renderer: Renderer, two_turns: Any) -> None:
@@ -567,3 +567,54 @@ def test_index_lookup_is_scoped() -> None:
     assert index.lookup(None, b"t") is None
     assert index.is_known_output("ro_1", b"o")
     assert not index.is_known_output(None, b"o")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_index_forgets_entries_idle_longer_than_the_session_timeout() -> None:
+    clock = Clock()
+    index = SessionIndex(max_idle_s=100, clock=clock)
+    index.add(None, b"a", b"out-a", entry("a", 10))
+    index.add(None, b"b", b"out-b", entry("b", 10))
+    clock.now += 60
+    assert index.lookup(None, b"a") is not None  # a conversation within its idle window is continued
+    clock.now += 60
+    index.add(None, b"c", b"out-c", entry("c", 10))
+    # b was last used 120 s ago: gone; a was looked up 60 s ago: kept.
+    assert [index.lookup(None, k) is not None for k in (b"a", b"b", b"c")] == [True, False, True]
+    assert index.tokens == 20
+    clock.now += 1000
+    index.add(None, b"d", b"out-d", entry("d", 10))  # never evicts the entry just added
+    assert len(index) == 1 and index.lookup(None, b"d") is not None
+
+
+def test_index_memory_levels_off_under_endless_new_conversations() -> None:
+    """Steady traffic of new conversations (as real traffic brings) holds one idle window's worth of calls, however
+    long it runs; before the idle expiry, the index held every call until its 20M-token budget was full."""
+    clock = Clock()
+    index = SessionIndex(max_idle_s=60, clock=clock)
+    sizes = []
+    for i in range(20_000):  # 10 calls a second for 2,000 s
+        clock.now += 0.1
+        index.add(None, f"tail-{i}".encode(), f"out-{i}".encode(), entry(f"c{i}", 50))
+        if i % 1000 == 999:
+            sizes.append((len(index), index.tokens))
+    assert all(n <= 601 for n, _ in sizes), sizes
+    assert sizes[-1] == sizes[5]
+    assert len(index._outputs) <= 601
+
+
+def test_index_forgets_answer_hashes_with_their_calls() -> None:
+    clock = Clock()
+    index = SessionIndex(max_idle_s=100, clock=clock)
+    index.add(None, b"a", b"out-a", entry("a", 10))
+    clock.now += 150
+    index.add(None, b"b", b"out-b", entry("b", 10))
+    assert not index.is_known_output(None, b"out-a")  # the database is asked instead (known_outputs)
+    assert index.is_known_output(None, b"out-b")

@@ -16,9 +16,9 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from gateway.store import judgements
 from gateway.store.db import connect
 from gateway.store.models import Judgement, Reward
-from rewards import claims
 from rewards.functions import RewardFunctionError, interpret, load
 from rewards.judge import NO_NEXT_STATE, Judge
 from rewards.turns import tokenizer_decode
@@ -240,13 +240,17 @@ def test_two_workers_record_one_verdict_per_turn(setup, tiny_tokenizer):
 def test_an_expired_claim_cannot_record_a_second_verdict(setup, tiny_tokenizer):
     gw, engine, db = setup
     (first, _, rollout), *_ = conversations(gw, engine, 1)
-    assert claims.claim(db, first, rollout, "token-a", lease_seconds=0.0) == 0
+    assert judgements.claim(db, first, rollout, "token-a", lease_seconds=0.0) == 0
     time.sleep(0.01)
-    assert claims.claim(db, first, rollout, "token-b", lease_seconds=60.0) == 0, "the lease ran out: taken over"
-    assert claims.claim(db, first, rollout, "token-c", lease_seconds=60.0) is None, "a live claim is not"
-    late = claims.finish(db, first, rollout, "token-a", status="done", rewards=[claims.NewReward(1.0, "judge", None)])
+    assert judgements.claim(db, first, rollout, "token-b", lease_seconds=60.0) == 0, "the lease ran out: taken over"
+    assert judgements.claim(db, first, rollout, "token-c", lease_seconds=60.0) is None, "a live claim is not"
+    late = judgements.finish(
+        db, first, rollout, "token-a", status="done", rewards=[judgements.NewReward(1.0, "judge", None)]
+    )
     assert late is False and rows(db, Reward) == []
-    assert claims.finish(db, first, rollout, "token-b", status="done", rewards=[claims.NewReward(0.5, "judge", None)])
+    assert judgements.finish(
+        db, first, rollout, "token-b", status="done", rewards=[judgements.NewReward(0.5, "judge", None)]
+    )
     assert [r.value for r in rows(db, Reward)] == [0.5]
 
 

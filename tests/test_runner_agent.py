@@ -17,9 +17,8 @@ import pytest
 from runner.agent import Workspace
 from runner.harnesses import make_harness
 from runner.run import RunConfig, Runner
-from runner.sandbox import SandboxFactory
 from tests.fakes import ScriptedEngine
-from tests.runner_support import make_tasks, require_bwrap
+from tests.runner_support import make_tasks
 from tests.test_runner_sandbox import processes_with
 
 ADMIN = "agent-admin-key"
@@ -89,13 +88,6 @@ def scripted(gateway_factory, tiny_tokenizer):
     gw = gateway_factory(engine=engine, tokenizer=tiny_tokenizer, admin_key=ADMIN, max_tokens=512)
     return engine, gw
 
-
-@pytest.fixture
-def sandboxes(tmp_path: Path):
-    require_bwrap()
-    factory = SandboxFactory("bwrap", base_dir=tmp_path / "sandboxes")
-    yield factory
-    factory.close()
 
 
 def rollout(gw, rollout_id: str) -> dict:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import pytest
 
@@ -15,9 +14,8 @@ from gateway.store.db import connect
 from gateway.store.training_data import load_rollout
 from runner.harnesses import make_harness
 from runner.run import RunConfig, Runner
-from runner.sandbox import SandboxFactory
 from tests.fakes import ScriptedEngine
-from tests.runner_support import make_tasks, require_bwrap
+from tests.runner_support import make_tasks
 from tests.test_claude_code_e2e import captured, claude_exe  # noqa: F401 (a fixture)
 from trainer.advantages import ZERO_VARIANCE, group_advantages
 
@@ -30,13 +28,6 @@ HELLO = {
     "timeout": 400,
 }
 
-
-@pytest.fixture
-def sandboxes(tmp_path: Path):
-    require_bwrap()
-    factory = SandboxFactory("bwrap", base_dir=tmp_path / "sandboxes")
-    yield factory
-    factory.close()
 
 
 def run(gw, tasks, harnesses, sandboxes, n: int):

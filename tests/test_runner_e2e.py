@@ -46,13 +46,6 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> I
     yield from module_gateway(tmp_path_factory.mktemp("gw-runner"), tiny_model_dir, admin_key=ADMIN, max_tokens=24)
 
 
-@pytest.fixture
-def sandboxes(tmp_path: Path) -> Iterator[SandboxFactory]:
-    require_bwrap()
-    factory = SandboxFactory("bwrap", base_dir=tmp_path / "sandboxes")
-    yield factory
-    factory.close()
-
 
 def admin_get(gw: LiveGateway, path: str, **params: Any) -> Any:
     resp = httpx.get(gw.url + path, params=params, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)

@@ -4,8 +4,9 @@
 conversations, requests with tool calls and tool results), no rollout API, no task, no rewards posted by the client.
 The reward comes from a judge server reached through LiteLLM by the reward worker (or, in the second variant, from
 the user's per-call feedback alone). The trainer and the worker run by themselves; the turns served by later policy
-versions score clearly above v0's, on two seeds, while a learning-rate-0 control stays flat. See
-bench/runtime_learning.py.
+versions score clearly above v0's, with each reward source, while a learning-rate-0 control stays flat. One seed per
+source: a second judge seed took 600-715 s of a two-core CI run (a fifth of its time) and proved nothing the first does
+not; `bench/runtime_learning.py --seeds 0 1` runs both. See bench/runtime_learning.py.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ LEARN_TIMEOUT = 900
 CONTROL_TIMEOUT = 600
 
 
-@pytest.mark.parametrize(("reward", "seed"), [("judge", 0), ("judge", 1), ("feedback", 0)])
+@pytest.mark.parametrize(("reward", "seed"), [("judge", 0), ("feedback", 0)])
 def test_everyday_traffic_teaches_the_model(reward, seed, tiny_model_dir, tiny_tokenizer, tmp_path):
     result = runtime_learning.run(
         tiny_model_dir,

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from gateway.stops import StopTrimmer
+from gateway.core.stops import StopTrimmer
 
 ALPHABET = ["a", "b", "c", "é", "日", "本", "🙂", "👍🏽", " ", "\n"]
 

@@ -250,4 +250,6 @@ def test_generate(model: Any, tokenizer: Any) -> None:
     out = model.generate(ids, max_new_tokens=8, do_sample=True, attention_mask=torch.ones_like(ids))
     assert out.shape[0] == 1 and ids.shape[1] < out.shape[1] <= ids.shape[1] + 8
     assert out[0, : ids.shape[1]].tolist() == ids[0].tolist()
-    assert isinstance(tokenizer.decode(out[0, ids.shape[1] :]), str)
+    new = out[0, ids.shape[1] :].tolist()
+    assert all(0 <= t < len(tokenizer) for t in new), new  # sampled from the tokenizer's ids, not the padding
+    assert tokenizer.decode(new, skip_special_tokens=True).strip(), new  # seed 0 samples text

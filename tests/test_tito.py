@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 
 import openai
 import sqlalchemy as sa
@@ -203,3 +204,29 @@ def test_splice_survives_a_gateway_restart(gateway_factory, tiny_tokenizer, tmp_
         assert [c[0].render_mode for c in chain] == ["fresh", "spliced"]
         assert chain[1][1][: len(chain[0][1]) + len(chain[0][2])] == chain[0][1] + chain[0][2]
         assert tc.function.name == "run"
+
+
+def test_a_turn_forgotten_by_the_memory_window_is_spliced_from_the_database(gateway_factory, tiny_tokenizer):
+    """The session index keeps a turn only for CLAWGATE_SESSION_CACHE_IDLE; the session itself stays open for the
+    idle timeout, and a turn that comes after the memory window continues it exactly, from the database."""
+    engine = ScriptedEngine(tiny_tokenizer)
+    gw = gateway_factory(engine=engine, tokenizer=tiny_tokenizer, session_cache_idle=0.5, session_idle_timeout=600)
+    client = openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0)
+    engine.push("First answer.")
+    messages = [{"role": "user", "content": "Remember this."}]
+    first = client.chat.completions.with_raw_response.create(model="tiny", messages=messages)
+    rid = first.headers["x-clawgate-rollout-id"]
+    gw.flush()
+    time.sleep(1.0)
+    # Another conversation's call: adding it evicts the turns idle for longer than the memory window.
+    engine.push("Other.")
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Something else."}])
+    assert len(gw.state.index) == 1, "the first conversation's turn is no longer held in memory"
+    engine.push("Second answer.")
+    messages += [{"role": "assistant", "content": "First answer."}, {"role": "user", "content": "Go on."}]
+    second = client.chat.completions.with_raw_response.create(model="tiny", messages=messages)
+    assert second.headers["x-clawgate-rollout-id"] == rid
+    chain = stored_calls(gw, rid)
+    assert [c[0].render_mode for c in chain] == ["fresh", "spliced"]
+    assert_chain(chain)
+    assert drift_count(gw) == 0

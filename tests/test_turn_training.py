@@ -3,7 +3,6 @@ per turn, and exactly-once consumption across trainer restarts and SIGKILLs."""
 
 from __future__ import annotations
 
-import random
 import time
 from typing import Any
 
@@ -258,6 +257,31 @@ def test_turns_are_trained_once_across_trainer_restarts(gateway_factory, tiny_mo
     db.dispose()
 
 
+def test_turns_have_their_own_cap_and_once_applies_the_minimums_it_is_given(
+    gateway_factory, tiny_model_dir, tmp_path, capsys
+):
+    from clawgate.cli import main as clawgate
+
+    gw = gateway_factory(admin_key="adm", policy_follow=False)
+    url, adapters = gw.settings.database_url, tmp_path / "adapters"
+    for i in range(3):
+        first, _, _ = two_turns(gw, None, i)
+        feedback(gw, first, float(i))
+    once = ["train", "--once", "--model", str(tiny_model_dir), "--database-url", url, "--adapter-dir", str(adapters)]
+    # Three turns are ready; a one-shot run told to need five trains nothing and says why.
+    assert clawgate([*once, "--min-turns", "5", "--min-rollouts", "1", "--min-groups", "1"]) == 1
+    assert "nothing to train on (waiting: 0/1 rollouts ready, 0/1 groups with two or more; 3/5 turns ready" in (
+        capsys.readouterr().err
+    )
+    db = connect(url)
+    try:
+        # --max-rollouts caps task runs only: two of the three turns are trained, as --max-turns says.
+        result = Trainer(config(tiny_model_dir, url, adapters, max_rollouts=1, max_turns=2), db).step()
+        assert result is not None and result.turns == 2 and result.rollouts == 0
+    finally:
+        db.dispose()
+
+
 def test_turns_without_variance_are_consumed_untrained_and_reported(gateway_factory, tiny_model_dir, tmp_path):
     gw = gateway_factory(admin_key="adm", policy_follow=False)
     url, adapters = gw.settings.database_url, tmp_path / "adapters"
@@ -314,19 +338,16 @@ def test_stale_turns_are_consumed_without_a_judge_verdict(gateway_factory, tiny_
 def test_sigkill_mid_step_trains_every_turn_exactly_once(gateway_factory, tiny_model_dir, tmp_path):
     gw = gateway_factory(admin_key="adm", policy_follow=False)
     url, adapters = gw.settings.database_url, tmp_path / "adapters"
-    rng = random.Random(3)
     made: list[str] = []
-    for round_ in range(3):
+    landed: list[bool] = []
+    for round_, delay in enumerate([0.0, 0.2, 0.4]):
         for i in range(3):
             first, _, _ = two_turns(gw, None, round_ * 10 + i)
             feedback(gw, first, float(i))
             made.append(first)
         daemon = Daemon(train_cmd(tiny_model_dir, url, adapters, "--min-turns", "3"))
         try:
-            daemon.wait_line("step from policy@")
-            time.sleep(rng.uniform(0.0, 0.6))
-            daemon.proc.kill()
-            daemon.proc.wait(30)
+            landed.append(daemon.kill_in_step(url, delay))
         finally:
             daemon.stop()
     daemon = Daemon(train_cmd(tiny_model_dir, url, adapters, "--min-turns", "1", "--group-wait", "0"))
@@ -337,6 +358,7 @@ def test_sigkill_mid_step_trains_every_turn_exactly_once(gateway_factory, tiny_m
             time.sleep(0.2)
     finally:
         daemon.stop()
+    assert landed[0], f"kills inside a step: {landed}"
     assert len(trained_turns(url)) == len(made), "every turn trained exactly once"
     versions = recorded_versions(url)
     assert versions == list(range(len(versions)))

@@ -1,5 +1,5 @@
-"""Several vLLM replicas behind vllm-router: session affinity, a policy version on every replica, a replica that
-dies (and comes back).
+"""Several vLLM replicas behind vllm-router: session affinity, a policy version on every replica, a canary on a
+replica that lacks the candidate's adapter, a replica that dies (and comes back).
 
 The first tests script two replicas and a router (``tests/scripted_http.py``: what goes where). The rest start
 two real vLLM CPU replicas of the tiny model and ``vllm-router`` once for the module (about a minute, ~3 GB of
@@ -38,6 +38,8 @@ from gateway.store.models import Call
 from tests.missing import missing
 from tests.policies import publish
 from tests.scripted_http import scripted_server
+from tests.tcp_proxy import TcpProxy
+from tests.test_promotion import stage
 
 # ---- what goes where, against scripted replicas ------------------------------------------------------------------
 
@@ -322,6 +324,70 @@ def test_a_new_policy_version_is_served_by_both_replicas(
         assert (call.adapter, call.policy_version) == ("policy@v1", 1)
         # The replica that answered really ran the adapter: its greedy answer is the adapter's, not the base's.
         assert ids == greedy_on(url, "policy@v1", prompt) != greedy_on(url, "tiny", prompt)
+
+
+def adapter_names(url: str) -> list[str]:
+    return [card["id"] for card in httpx.get(url + "/v1/models", timeout=10).json()["data"] if card.get("parent")]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_canary_reaches_a_replica_that_lacks_the_candidates_adapter_and_no_call_fails(
+    gateway_factory: Any, cluster: Cluster, tiny_model_dir: Path, tiny_tokenizer: Any
+) -> None:
+    """Replica b was out of the gateway's reach when the candidate was loaded (a partition; alike, a replica that
+    restarted since), so only a has it, while the router still sends b canary conversations. b's LoRA resolver loads
+    the candidate from the adapters folder on its first call: no call fails, b answers with the candidate's weights,
+    and once the gateway reaches b again the canary goes on (it is not rejected as an adapter that cannot load)."""
+    a, b = cluster.replicas
+    # The gateway's way to b (adapter loads and lists); the router's way to b is direct.
+    to_b = TcpProxy("127.0.0.1", b.port).start()
+    try:
+        gw = cluster.gateway(
+            gateway_factory,
+            vllm_replicas=[a.url, f"http://127.0.0.1:{to_b.port}"],
+            promotion="guarded",
+            canary_share=1.0,  # every new conversation is the candidate's
+            canary_min_turns=10_000,  # and no decision is taken on evidence
+            canary_check_interval=0.1,
+        )
+        url = gw.settings.database_url
+        prompt = tiny_tokenizer.encode(PROMPT_TEXT, add_special_tokens=False)
+        publish(url, cluster.adapters, tiny_model_dir, 5)  # the first version: the incumbent, on both replicas
+        wait_for(lambda: gw.state.service.policy_version == 5, "policy@v5 to be served")
+        to_b.cut()
+        publish(url, cluster.adapters, tiny_model_dir, 6, scale=0.5)
+        wait_for(lambda: gw.state.service.routing.candidate is not None, "the canary of policy@v6 to start")
+        assert "policy@v6" in adapter_names(a.url) and "policy@v6" not in adapter_names(b.url)
+
+        served_by: dict[str, int] = {}  # call id -> the replica that answered it
+        for i in range(24):
+            before = cluster.served()
+            r = complete(gw, f"ro-canary-{i}", prompt)
+            assert r.status_code == 200, r.text
+            grew = [now - then for now, then in zip(cluster.served(), before, strict=True)]
+            served_by[r.headers["x-clawgate-call-id"]] = grew.index(1)
+            if sorted(set(served_by.values())) == [0, 1] and list(served_by.values()).count(1) >= 2:
+                break
+        assert list(served_by.values()).count(1) >= 2, f"no two canary conversations hashed to b: {served_by}"
+        assert "policy@v6" in adapter_names(b.url), "loaded on demand by b's resolver"
+        for call_id, index in served_by.items():
+            [(call, ids)] = stored_calls(gw, "id = :i", i=call_id)
+            assert (call.adapter, call.policy_version, call.status) == ("policy@v6", 6, "ok")
+            replica = cluster.replicas[index].url
+            # The candidate's weights, not the incumbent's (policy@v5 is a zero LoRA: the base model's answer).
+            assert ids == greedy_on(replica, "policy@v6", prompt) != greedy_on(replica, "policy@v5", prompt)
+
+        to_b.restore()
+        time.sleep(1.5)  # several polls (0.2 s) of the follower, each listing b's adapters again
+        assert stage(url, 6) == "canary" and gw.state.service.routing.candidate is not None
+        assert not gw.state.policy.fault.active
+        r = complete(gw, "ro-canary-after", prompt)
+        assert r.status_code == 200, r.text
+        [(call, _)] = stored_calls(gw, "id = :i", i=r.headers["x-clawgate-call-id"])
+        assert call.adapter == "policy@v6"
+    finally:
+        to_b.stop()
 
 
 def homes(gw: Any, cluster: Cluster, prompt: list[int], prefix: str, each: int) -> tuple[dict[str, int], set[str]]:

@@ -111,12 +111,35 @@ def group_advantages(
     are reported in ``skipped`` and get no advantage; under ``"zero"`` they get 0.0. NaN or infinite rewards
     raise ``ValueError``.
     """
+    _check_options(baseline, zero_variance, eps, rtol, atol)
+    advantages: dict[str, float] = {}
+    skipped: dict[str, str] = {}
+    stats: dict[str, GroupStats] = {}
+    for key, ids in _members(rewards, groups).items():
+        r = np.array([rewards[i] for i in ids], dtype=np.float64)
+        group, adv = _normalize_group(r, scale_by_std=scale_by_std, eps=eps, baseline=baseline, rtol=rtol, atol=atol)
+        stats[key] = group
+        if group.skipped is not None and zero_variance == "skip":
+            for i in ids:
+                skipped[i] = group.skipped
+            continue
+        for i, a in zip(ids, adv.tolist(), strict=True):
+            advantages[i] = a
+    return AdvantageResult(advantages=advantages, skipped=skipped, groups=stats)
+
+
+def _check_options(baseline: str, zero_variance: str, eps: float, rtol: float, atol: float) -> None:
+    """Reject unknown baselines and zero-variance policies, and negative tolerances."""
     if baseline not in ("mean", "leave_one_out"):
         raise ValueError(f"baseline must be 'mean' or 'leave_one_out', not {baseline!r}")
     if zero_variance not in ("skip", "zero"):
         raise ValueError(f"zero_variance must be 'skip' or 'zero', not {zero_variance!r}")
     if not (eps >= 0 and rtol >= 0 and atol >= 0):
         raise ValueError("eps, rtol and atol must be >= 0")
+
+
+def _members(rewards: Mapping[str, float], groups: Mapping[str, str]) -> dict[str, list[str]]:
+    """Rollout ids by group key, in reward order; a non-finite reward or a rollout without group raises."""
     members: dict[str, list[str]] = {}
     for rid, reward in rewards.items():
         if not math.isfinite(reward):
@@ -124,39 +147,33 @@ def group_advantages(
         if rid not in groups:
             raise ValueError(f"rollout {rid!r} has a reward but no group")
         members.setdefault(groups[rid], []).append(rid)
+    return members
 
-    advantages: dict[str, float] = {}
-    skipped: dict[str, str] = {}
-    stats: dict[str, GroupStats] = {}
-    for key, ids in members.items():
-        r = np.array([rewards[i] for i in ids], dtype=np.float64)
-        n = len(r)
-        scale = _scale(r)
-        x = r / scale
-        # fsum: the mean is the correctly rounded mean, so deviations of huge rewards keep their exact spacing.
-        mean_x = math.fsum(x) / n
-        dev = x - mean_x
-        std_x = _std(dev)
-        reason = None
-        if n == 1:
-            reason = SINGLETON
-        elif float(x.max() - x.min()) <= rtol * float(np.abs(x).max()) + atol / scale:
-            reason = ZERO_VARIANCE
-        stats[key] = GroupStats(n=n, mean=mean_x * scale, std=std_x * scale, skipped=reason)
-        if reason is not None:
-            for i in ids:
-                if zero_variance == "skip":
-                    skipped[i] = reason
-                else:
-                    advantages[i] = 0.0
-            continue
-        if baseline == "leave_one_out":
-            dev = dev * (n / (n - 1))  # r_i − b_i = n/(n−1)·(r_i − mean), in units of `scale`
-        # (r_i − b_i)/(std + eps) = dev·scale/(std_x·scale + eps) = dev/(std_x + eps/scale): no overflow.
-        adv = dev / (std_x + eps / scale) if scale_by_std else dev * scale
-        for i, a in zip(ids, adv.tolist(), strict=True):
-            advantages[i] = a
-    return AdvantageResult(advantages=advantages, skipped=skipped, groups=stats)
+
+def _normalize_group(
+    r: FloatArray, *, scale_by_std: bool, eps: float, baseline: Baseline, rtol: float, atol: float
+) -> tuple[GroupStats, FloatArray]:
+    """One group's statistics and its rollouts' advantages (all 0 when the group carries no signal)."""
+    n = len(r)
+    scale = _scale(r)
+    x = r / scale
+    # fsum: the mean is the correctly rounded mean, so deviations of huge rewards keep their exact spacing.
+    mean_x = math.fsum(x) / n
+    dev = x - mean_x
+    std_x = _std(dev)
+    reason = None
+    if n == 1:
+        reason = SINGLETON
+    elif float(x.max() - x.min()) <= rtol * float(np.abs(x).max()) + atol / scale:
+        reason = ZERO_VARIANCE
+    stats = GroupStats(n=n, mean=mean_x * scale, std=std_x * scale, skipped=reason)
+    if reason is not None:
+        return stats, np.zeros(n)
+    if baseline == "leave_one_out":
+        dev = dev * (n / (n - 1))  # r_i − b_i = n/(n−1)·(r_i − mean), in units of `scale`
+    # (r_i − b_i)/(std + eps) = dev·scale/(std_x·scale + eps) = dev/(std_x + eps/scale): no overflow.
+    adv = dev / (std_x + eps / scale) if scale_by_std else dev * scale
+    return stats, adv
 
 
 def batch_advantages(

@@ -187,18 +187,6 @@ class _Item:
     tokens: int
 
 
-def _chain(leaf: TreeNode) -> list[TreeNode]:
-    """The nodes holding tokens from the root down to ``leaf``."""
-    chain: list[TreeNode] = []
-    node: TreeNode | None = leaf
-    while node is not None:
-        if len(node.tokens):
-            chain.append(node)
-        node = node.parent
-    chain.reverse()
-    return chain
-
-
 def _path_groups(leaves: list[TreeNode], budget: int) -> list[list[TreeNode]]:
     """Leaves in depth-first order, grouped greedily so that each group's union of paths fits the budget."""
     groups: list[list[TreeNode]] = []
@@ -206,7 +194,7 @@ def _path_groups(leaves: list[TreeNode], budget: int) -> list[list[TreeNode]]:
     seen: set[int] = set()
     load = 0
     for leaf in leaves:
-        chain = _chain(leaf)
+        chain = leaf.chain()
         if leaf.end > budget:
             raise ValueError(
                 f"a kept path of {leaf.end:,} tokens exceeds max_tokens_per_bin={budget:,}; raise the budget"
@@ -230,7 +218,7 @@ def _items(rollout: int, tree: RolloutTree, strategy: Strategy, budget: int, all
     leaves = tree.leaves()
     through: dict[int, int] = {}  # node id -> kept paths through it
     for leaf in leaves:
-        for node in _chain(leaf):
+        for node in leaf.chain():
             through[node.id] = through.get(node.id, 0) + 1
     if strategy == "paths":
         groups = [[leaf] for leaf in leaves]
@@ -246,7 +234,7 @@ def _items(rollout: int, tree: RolloutTree, strategy: Strategy, budget: int, all
         below: dict[int, int] = {}
         members: dict[int, TreeNode] = {}
         for leaf in group:
-            for node in _chain(leaf):
+            for node in leaf.chain():
                 below[node.id] = below.get(node.id, 0) + 1
                 members[node.id] = node
         nodes = [members[i] for i in sorted(members)]

@@ -19,7 +19,11 @@ from gateway.logs import setup_logging
 from gateway.settings import Settings, from_flags
 
 if TYPE_CHECKING:
+    import sqlalchemy as sa
+
     from trainer.config import TrainConfig
+    from trainer.eval_gate import EvalGate
+    from trainer.step import Trainer
 
 # Exit code of `clawgate train` when another trainer holds the adapter directory (a supervisor must not restart it).
 TRAINER_BUSY = 3
@@ -33,6 +37,7 @@ TRAIN_FLAGS = (
     "train_min_groups",
     "train_interval",
     "train_max_rollouts",
+    "train_max_turns",
     "train_max_staleness",
     "train_group_wait",
     "train_temperature",
@@ -49,9 +54,12 @@ TRAIN_FLAGS = (
     "train_metrics_port",
     "train_log_to",
     "train_log_dir",
+    "eval_gate_tasks",
+    "eval_gate_harness",
+    "eval_gate_n",
 )
 # What `clawgate train` builds its settings from.
-TRAIN_SETTINGS = ("model", "database_url", "log_level", "data_dir", *TRAIN_FLAGS)
+TRAIN_SETTINGS = ("model", "database_url", "log_level", "data_dir", "gateway_url", "promotion_margin", *TRAIN_FLAGS)
 
 
 def train_flags(p: argparse.ArgumentParser) -> None:
@@ -60,36 +68,8 @@ def train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adapter-dir", help="where policy@vN versions go (CLAWGATE_ADAPTER_DIR)")
     g.add_argument("--algorithm", dest="train_algorithm", choices=["grpo", "ppo"], help="(CLAWGATE_TRAIN_ALGORITHM)")
     g.add_argument("--lr", dest="train_lr", type=float, help="learning rate (CLAWGATE_TRAIN_LR, default 1e-5)")
-    g.add_argument(
-        "--min-rollouts", dest="train_min_rollouts", type=int, help="ready rollouts a step waits for (default 8)"
-    )
-    g.add_argument(
-        "--min-groups", dest="train_min_groups", type=int, help="groups of 2+ ready rollouts a step waits for"
-    )
-    g.add_argument("--interval", dest="train_interval", type=float, help="seconds between looks when idle")
-    g.add_argument("--max-rollouts", dest="train_max_rollouts", type=int, help="rollouts (and turns) per step at most")
-    g.add_argument(
-        "--max-staleness", dest="train_max_staleness", type=int, help="skip rollouts served this many versions back"
-    )
-    g.add_argument(
-        "--group-wait", dest="train_group_wait", type=float, help="seconds a lone rollout waits for its group"
-    )
-    g.add_argument("--temperature", dest="train_temperature", type=float, help="temperature rollouts were sampled at")
-    g.add_argument("--device", dest="train_device", help="auto, cpu, cuda, cuda:1 ... (CLAWGATE_TRAIN_DEVICE)")
-    g.add_argument(
-        "--threads", dest="train_threads", type=int, help="torch CPU threads (CLAWGATE_TRAIN_THREADS, default: all)"
-    )
-    g.add_argument("--dtype", dest="train_dtype", choices=["float32", "bfloat16"], help="(CLAWGATE_TRAIN_DTYPE)")
-    g.add_argument(
-        "--gradient-checkpointing",
-        dest="train_gradient_checkpointing",
-        action="store_true",
-        default=None,
-        help="recompute activations in the backward pass (less memory)",
-    )
-    g.add_argument("--lora-rank", dest="train_lora_rank", type=int, help="(CLAWGATE_TRAIN_LORA_RANK)")
-    g.add_argument("--lora-alpha", dest="train_lora_alpha", type=int, help="(CLAWGATE_TRAIN_LORA_ALPHA)")
-    g.add_argument("--seed", dest="train_seed", type=int, help="(CLAWGATE_TRAIN_SEED)")
+    _schedule_flags(g)
+    _runtime_flags(g)
     g.add_argument(
         "--advantage",
         dest="train_advantage",
@@ -121,11 +101,63 @@ def train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--log-dir", dest="train_log_dir", help="where those logs go (CLAWGATE_TRAIN_LOG_DIR, default .clawgate/runs)"
     )
+    _eval_gate_flags(p)
+
+
+def _schedule_flags(g: argparse._ArgumentGroup) -> None:
+    """When a step runs and what goes into it."""
+    g.add_argument(
+        "--min-rollouts", dest="train_min_rollouts", type=int, help="ready rollouts a step waits for (default 8)"
+    )
+    g.add_argument(
+        "--min-groups", dest="train_min_groups", type=int, help="groups of 2+ ready rollouts a step waits for"
+    )
+    g.add_argument("--interval", dest="train_interval", type=float, help="seconds between looks when idle")
+    g.add_argument("--max-rollouts", dest="train_max_rollouts", type=int, help="rollouts of task runs per step at most")
+    g.add_argument("--max-turns", dest="train_max_turns", type=int, help="turns of everyday traffic per step at most")
+    g.add_argument(
+        "--max-staleness", dest="train_max_staleness", type=int, help="skip rollouts served this many versions back"
+    )
+    g.add_argument(
+        "--group-wait", dest="train_group_wait", type=float, help="seconds a lone rollout waits for its group"
+    )
+    g.add_argument("--temperature", dest="train_temperature", type=float, help="temperature rollouts were sampled at")
+
+
+def _runtime_flags(g: argparse._ArgumentGroup) -> None:
+    """Where and how the trainer computes: device, threads, precision, LoRA shape, seed."""
+    g.add_argument("--device", dest="train_device", help="auto, cpu, cuda, cuda:1 ... (CLAWGATE_TRAIN_DEVICE)")
+    g.add_argument(
+        "--threads", dest="train_threads", type=int, help="torch CPU threads (CLAWGATE_TRAIN_THREADS, default: all)"
+    )
+    g.add_argument("--dtype", dest="train_dtype", choices=["float32", "bfloat16"], help="(CLAWGATE_TRAIN_DTYPE)")
+    g.add_argument(
+        "--gradient-checkpointing",
+        dest="train_gradient_checkpointing",
+        action="store_true",
+        default=None,
+        help="recompute activations in the backward pass (less memory)",
+    )
+    g.add_argument("--lora-rank", dest="train_lora_rank", type=int, help="(CLAWGATE_TRAIN_LORA_RANK)")
+    g.add_argument("--lora-alpha", dest="train_lora_alpha", type=int, help="(CLAWGATE_TRAIN_LORA_ALPHA)")
+    g.add_argument("--seed", dest="train_seed", type=int, help="(CLAWGATE_TRAIN_SEED)")
+
+
+def _eval_gate_flags(p: argparse.ArgumentParser) -> None:
+    """The held-out evaluation a new version passes before its canary."""
+    e = p.add_argument_group("evaluation gate (guarded promotion)")
+    e.add_argument(
+        "--eval-tasks",
+        dest="eval_gate_tasks",
+        help="held-out tasks (JSONL) each new version must not regress on before its canary (CLAWGATE_EVAL_GATE_TASKS)",
+    )
+    e.add_argument("--eval-harness", dest="eval_gate_harness", help="harnesses for them (default builtin)")
+    e.add_argument("--eval-n", dest="eval_gate_n", type=int, help="rollouts per task × harness and version (default 1)")
 
 
 def train_config(settings: Settings, *, once: bool = False) -> TrainConfig:
     from trainer import lora
-    from trainer.config import TrainConfig
+    from trainer.config import TrainConfig, Trigger
 
     config = TrainConfig(
         model=settings.model,
@@ -135,27 +167,29 @@ def train_config(settings: Settings, *, once: bool = False) -> TrainConfig:
         lora=lora.LoraSettings(rank=settings.train_lora_rank, alpha=settings.train_lora_alpha),
         temperature=settings.train_temperature,
         max_rollouts=settings.train_max_rollouts,
-        # A one-shot run trains on whatever is ready; the daemon waits for its trigger (loop.py).
-        min_rollouts=1,
+        max_turns=settings.train_max_turns,
         max_staleness=settings.train_max_staleness,
+        # A one-shot run consumes a lone group member at once; the daemon lets it wait for its group.
         group_wait=0.0 if once else settings.train_group_wait,
+        trigger=Trigger(
+            min_rollouts=settings.train_min_rollouts,
+            min_groups=settings.train_min_groups,
+            min_turns=settings.train_min_turns,
+            interval=settings.train_interval,
+        ),
         dtype=settings.train_dtype,
         seed=settings.train_seed,
         algorithm=settings.train_algorithm,
         device=settings.train_device,
         gradient_checkpointing=settings.train_gradient_checkpointing,
-        advantage="critic" if settings.train_algorithm == "ppo" else settings.train_advantage,
+        advantage=settings.train_advantage,  # TrainConfig settles algorithm and advantage together
         await_judge=settings.awaits_judge,
     )
     return config
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import threading
-
     from gateway.store import db
-    from trainer import loop
-    from trainer.plan import describe
     from trainer.progress import StepProgress
     from trainer.publish import TrainerBusy, TrainerLock
     from trainer.step import Trainer
@@ -168,81 +202,124 @@ def cmd_train(args: argparse.Namespace) -> int:
         torch.set_num_threads(settings.train_threads)
         print(f"training with {settings.train_threads} CPU thread(s)", file=sys.stderr, flush=True)
     config = train_config(settings, once=args.once)
-    if args.once and args.train_min_rollouts is not None:
-        config.min_rollouts = args.train_min_rollouts
-    engine = db.connect(settings.database_url)
+    config.trigger.max_steps = args.max_steps
+    gate: EvalGate | None = None
+    if settings.eval_gate_tasks is not None and not args.once:
+        try:
+            gate = _eval_gate(settings)
+        except ValueError as exc:  # TaskFileError is one
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        config.eval_gate = True
+        print(
+            f"evaluation gate: {len(gate.config.tasks)} tasks × {settings.eval_gate_harness} × {settings.eval_gate_n} "
+            f"on each new version and the incumbent through {gate.config.gateway_url} (under guarded promotion)",
+            file=sys.stderr,
+            flush=True,
+        )
+    database = db.connect(settings.database_url)
     lock = TrainerLock(config.adapter_dir)
     try:
         lock.acquire()
     except TrainerBusy as exc:
         print(f"error: {exc}", file=sys.stderr)
-        engine.dispose()
+        database.dispose()
         return TRAINER_BUSY
-    stop = threading.Event()
     try:
-        trainer = Trainer(config, engine)
+        trainer = Trainer(config, database)
         trainer.progress = StepProgress()
         print(f"policy@v{trainer.version} loaded from {config.adapter_dir}", file=sys.stderr, flush=True)
         if args.once:
-            done = 0
-            for i in range(args.steps):
-                result = trainer.step()
-                if result is None:
-                    print(f"[{i + 1}/{args.steps}] no ready rollouts (need {config.min_rollouts})", file=sys.stderr)
-                    break
-                done += 1
-                print(f"[{i + 1}/{args.steps}] {describe(result)}", flush=True)
-            return 0 if done or args.allow_empty else 1
-        # The daemon: SIGTERM (docker stop, `clawgate up` shutting down) ends it between steps; a kill during a
-        # step is safe as well (nothing is recorded until the step commits).
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        cfg = loop.LoopConfig(
-            min_rollouts=settings.train_min_rollouts,
-            min_groups=settings.train_min_groups,
-            min_turns=settings.train_min_turns,
-            interval=settings.train_interval,
-            group_wait=settings.train_group_wait,
-            max_steps=args.max_steps,
-        )
-        print(
-            f"training when {cfg.min_rollouts} rollouts in {cfg.min_groups} groups, or {cfg.min_turns} turns "
-            f"of everyday traffic{' (judged)' if config.await_judge else ''}, are ready "
-            f"(looking every {cfg.interval:g}s)",
-            file=sys.stderr,
-            flush=True,
-        )
-        metrics = _telemetry(settings, engine)
-
-        def on_step(result: Any) -> None:
-            print(describe(result), flush=True)
-            metrics.step(result)
-
-        try:
-            loop.run(
-                trainer,
-                cfg,
-                stop=stop,
-                on_step=on_step,
-                on_wait=lambda msg: print(msg, file=sys.stderr, flush=True),
-                on_failure=metrics.failure,
-            )
-        finally:
-            metrics.close()
-        return 0
+            return _train_once(trainer, args)
+        return _train_daemon(trainer, settings, database, gate)
     finally:
         lock.release()
-        engine.dispose()
+        database.dispose()
 
 
-def _telemetry(settings: Settings, engine: Any) -> Any:
+def _eval_gate(settings: Settings) -> EvalGate:
+    """The evaluation gate of ``settings.eval_gate_tasks``; raises ValueError when the tasks cannot be read."""
+    from trainer import eval_gate
+
+    return eval_gate.build(
+        str(settings.eval_gate_tasks),
+        settings.eval_gate_harness,
+        n=settings.eval_gate_n,
+        gateway_url=settings.gateway_url,
+        admin_key=settings.admin_key.get_secret_value() if settings.admin_key is not None else None,
+        margin=settings.promotion_margin,
+    )
+
+
+def _train_once(trainer: Trainer, args: argparse.Namespace) -> int:
+    """`train --once`: up to ``--steps`` steps over what is ready now; exit 1 when none ran (unless allowed)."""
+    from trainer import loop
+    from trainer.plan import describe
+
+    # --once trains on whatever is ready, unless a minimum is given: then, as for the daemon, only when it is met.
+    minimums = (args.train_min_rollouts, args.train_min_groups, args.train_min_turns)
+    once_minimums = any(m is not None for m in minimums)
+    done = 0
+    for i in range(args.steps):
+        go, why = loop.should_step(trainer, waited=False) if once_minimums else (True, "")
+        result = trainer.step() if go else None
+        if result is None:
+            print(f"[{i + 1}/{args.steps}] nothing to train on ({why or 'nothing ready'})", file=sys.stderr)
+            break
+        done += 1
+        print(f"[{i + 1}/{args.steps}] {describe(result)}", flush=True)
+    return 0 if done or args.allow_empty else 1
+
+
+def _train_daemon(trainer: Trainer, settings: Settings, database: sa.Engine, gate: EvalGate | None) -> int:
+    """The daemon: steps whenever the trigger is met, until SIGTERM."""
+    import threading
+
+    from trainer import loop
+    from trainer.plan import describe
+
+    config = trainer.config
+    stop = threading.Event()
+    # The daemon: SIGTERM (docker stop, `clawgate up` shutting down) ends it between steps; a kill during a
+    # step is safe as well (nothing is recorded until the step commits).
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    cfg = config.trigger
+    print(
+        f"training when {cfg.min_rollouts} rollouts in {cfg.min_groups} groups, or {cfg.min_turns} turns "
+        f"of everyday traffic{' (judged)' if config.await_judge else ''}, are ready "
+        f"(looking every {cfg.interval:g}s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    metrics = _telemetry(settings, database)
+
+    def on_step(result: Any) -> None:
+        print(describe(result), flush=True)
+        metrics.step(result)
+
+    try:
+        loop.run(
+            trainer,
+            stop=stop,
+            on_step=on_step,
+            on_wait=lambda msg: print(msg, file=sys.stderr, flush=True),
+            on_failure=metrics.failure,
+            gate=gate,
+        )
+    finally:
+        metrics.close()
+    return 0
+
+
+def _telemetry(settings: Settings, database: sa.Engine) -> Any:
     from gateway.store.readiness import readiness
     from gateway.store.turns import backlog
     from trainer import telemetry
 
     def ready() -> tuple[int, int]:
         return (
-            readiness(engine, 0).rollouts,
-            backlog(engine, 0, await_judge=settings.awaits_judge).ready,
+            readiness(database, 0).rollouts,
+            backlog(database, 0, await_judge=settings.awaits_judge).ready,
         )
 
     log_dir = settings.train_log_dir or settings.data_dir / "runs"

@@ -1,4 +1,5 @@
-"""The trainer's configuration (``TrainConfig``): algorithm, advantages, clipping, batching, staleness, device.
+"""The trainer's one configuration (``TrainConfig``): algorithm, advantages, clipping, batching, staleness, device,
+and when the daemon steps (``Trigger``). Validated once, when it is built.
 
 `clawgate train` builds it from ``Settings`` (``trainer/cli.py``); tests and benchmarks build it directly.
 """
@@ -18,6 +19,26 @@ ADVANTAGES = ("group", "batch", "critic")
 
 
 @dataclass(slots=True)
+class Trigger:
+    """When the daemon takes a step (``loop.should_step``): ``min_rollouts`` ready rollouts of task runs in at least
+    ``min_groups`` groups of two or more, or ``min_turns`` ready turns of everyday traffic, or the oldest ready one
+    waited ``TrainConfig.group_wait``. `clawgate train --once` applies the two minimums when they are given."""
+
+    min_rollouts: int = 8
+    min_groups: int = 1
+    min_turns: int = 16
+    interval: float = 5.0  # seconds between looks while waiting
+    max_steps: int | None = None  # stop after this many published steps (None: run until stopped)
+    max_backoff: float = 300.0  # the longest wait after failed steps
+
+    def __post_init__(self) -> None:
+        if self.min_rollouts < 1 or self.min_turns < 1 or self.min_groups < 0:
+            raise ValueError("min_rollouts and min_turns must be >= 1, min_groups >= 0")
+        if self.interval <= 0 or self.max_backoff <= 0:
+            raise ValueError("interval and max_backoff must be > 0")
+
+
+@dataclass(slots=True)
 class TrainConfig:
     model: str
     database_url: str
@@ -31,16 +52,19 @@ class TrainConfig:
     baseline: str = "mean"
     # Sampling temperature the logprobs were recorded at (engines report processed logprobs).
     temperature: float = 1.0
+    # At most this many ready rollouts of task runs, and this many ready turns of everyday traffic, per step.
     max_rollouts: int = 256
-    min_rollouts: int = 1
+    max_turns: int = 256
     max_tokens_per_bin: int = 16384
     strategy: str = "tree"
     # Rollouts whose calls were served by a version more than this many versions older than the one being trained
     # are consumed without training (None: no bound). Truncated IS corrects small gaps, not arbitrary ones.
     max_staleness: int | None = None
     # A group with a single ready member waits this many seconds (from its finish) for more members before it is
-    # consumed without signal; 0 consumes it at once (a one-shot run).
+    # consumed without signal, and the daemon steps once the oldest ready rollout or turn waited this long; 0
+    # consumes it at once (a one-shot run).
     group_wait: float = 0.0
+    trigger: Trigger = field(default_factory=Trigger)
     epoch: int = 0
     dtype: str = "float32"
     seed: int = 0
@@ -63,6 +87,9 @@ class TrainConfig:
     advantage: str = "group"
     # Turns wait for the reward worker's verdict (a judge runs) before they are ready.
     await_judge: bool = False
+    # Under guarded promotion each new version is published ``evaluating``: the loop's evaluation gate
+    # (``trainer/eval_gate.py``) runs a held-out suite on it before it may serve traffic.
+    eval_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:

@@ -1,11 +1,11 @@
 """The trainer daemon: wait until enough data is ready, take a step, publish, repeat.
 
-A step starts when
+A step starts when (``TrainConfig.trigger``, ``config.Trigger``)
 
 - at least ``min_rollouts`` rollouts of task runs are ready and they form at least ``min_groups`` groups with two
   or more members (GRPO learns nothing from a group of one), or
 - at least ``min_turns`` turns of everyday traffic are ready (a batch baseline needs a batch), or
-- the oldest ready rollout or turn has waited ``group_wait`` seconds (so nothing is left behind for long).
+- the oldest ready rollout or turn has waited ``TrainConfig.group_wait`` seconds (so nothing is left behind long).
 
 Otherwise the loop sleeps ``interval`` seconds and says what it waits for: rollouts, groups, and turns awaiting
 their next state or the judge (a trainer that trains nothing should say why).
@@ -22,45 +22,34 @@ import datetime as dt
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
 
 from gateway.faults import Fault, describe
-from gateway.store import policy_control, promotion, turns
-from gateway.store.models import TrainStep
+from gateway.store import policy_control, policy_versions, promotion, train_steps, turns
 from gateway.store.readiness import oldest_ready_age, readiness
+from trainer import eval_gate
+from trainer.eval_gate import EvalGate
 from trainer.plan import StepResult
 from trainer.step import Trainer
 
 log = logging.getLogger("clawgate.trainer")
 
 
-@dataclass(slots=True)
-class LoopConfig:
-    min_rollouts: int = 8
-    min_groups: int = 1
-    min_turns: int = 16
-    interval: float = 5.0
-    group_wait: float = 600.0
-    max_steps: int | None = None  # stop after this many published steps (None: run until stopped)
-    max_backoff: float = 300.0
-
-
-def should_step(trainer: Trainer, cfg: LoopConfig) -> tuple[bool, str]:
-    epoch = trainer.config.epoch
+def should_step(trainer: Trainer, *, waited: bool = True) -> tuple[bool, str]:
+    """Whether the trigger is met, and why (or what is awaited); ``waited=False`` applies only the minimums."""
+    cfg, epoch, wait = trainer.config.trigger, trainer.config.epoch, trainer.config.group_wait
     ready = readiness(trainer.db, epoch)
     if ready.rollouts >= cfg.min_rollouts and ready.groups >= cfg.min_groups:
         return True, f"{ready.rollouts} rollouts ready in {ready.groups} groups"
     backlog = turns.backlog(trainer.db, epoch, await_judge=trainer.config.await_judge)
     if backlog.ready >= cfg.min_turns:
         return True, f"{backlog.ready} turns ready"
-    age = oldest_ready_age(trainer.db, epoch)
-    if ready.rollouts and age is not None and age >= cfg.group_wait:
+    age = oldest_ready_age(trainer.db, epoch) if waited else None
+    if ready.rollouts and age is not None and age >= wait:
         return True, f"{ready.rollouts} rollouts ready, the oldest waited {age:.0f}s"
-    turn_age = backlog.oldest_ready_age
-    if backlog.ready and turn_age is not None and turn_age >= cfg.group_wait:
+    turn_age = backlog.oldest_ready_age if waited else None
+    if backlog.ready and turn_age is not None and turn_age >= wait:
         return True, f"{backlog.ready} turns ready, the oldest waited {turn_age:.0f}s"
     waiting = (
         f"waiting: {ready.rollouts}/{cfg.min_rollouts} rollouts ready, "
@@ -72,26 +61,32 @@ def should_step(trainer: Trainer, cfg: LoopConfig) -> tuple[bool, str]:
     return False, waiting
 
 
-def promotion_gate(trainer: Trainer) -> tuple[bool, str]:
+def promotion_gate(trainer: Trainer, gate: EvalGate | None = None) -> tuple[bool, str]:
     """Under guarded promotion: train on only from weights that earned their traffic.
 
-    While the version the policy holds is a candidate or in its canary, the next step waits (it would build on
-    unproven weights, and a rejection would throw it away). Once that version is rejected the policy goes back to
-    the incumbent's weights (``Trainer.restore``) and training goes on from there. The data the rejected version
-    served stays usable: it is trained off-policy like any other older version's, under the staleness bound and
-    the truncated importance weights (``loss.py``)."""
+    While the version the policy holds is being evaluated, a candidate or in its canary, the next step waits (it
+    would build on unproven weights, and a rejection would throw it away). A version being evaluated is evaluated
+    here, by ``gate`` (``eval_gate.py``: a held-out suite run on it and on the incumbent) unless an operator's pin
+    holds all traffic. Once the version is rejected the policy goes back to the incumbent's weights
+    (``Trainer.restore``) and training goes on from there. The data the rejected version served stays usable: it
+    is trained off-policy like any other older version's, under the staleness bound and the truncated importance
+    weights (``loss.py``)."""
     state = promotion.read_state(trainer.db)
     if state.mode != promotion.GUARDED:
         return True, ""
-    stage = promotion.stage_of(trainer.db, trainer.parent)
+    stage = policy_versions.stage_of(trainer.db, trainer.parent)
+    if stage == "evaluating" and state.pinned is None:
+        incumbent = state.incumbent.version if state.incumbent is not None else None
+        stage = eval_gate.decide(trainer.db, gate, trainer.parent, incumbent)
     if stage == "rejected":
         incumbent = (
-            state.incumbent.version if state.incumbent is not None else promotion.newest_not_rejected(trainer.db)
+            state.incumbent.version if state.incumbent is not None else policy_versions.newest_not_rejected(trainer.db)
         )
         trainer.restore(incumbent or 0)
-        stage = promotion.stage_of(trainer.db, trainer.parent)
+        stage = policy_versions.stage_of(trainer.db, trainer.parent)
     if stage in promotion.UNDECIDED:
-        return False, f"waiting: policy@v{trainer.parent} is {'in its canary' if stage == 'canary' else 'a candidate'}"
+        what = {"canary": "in its canary", "candidate": "a candidate"}.get(str(stage), "to be evaluated (pinned)")
+        return False, f"waiting: policy@v{trainer.parent} is {what}"
     return True, ""
 
 
@@ -99,38 +94,25 @@ def record_failure(
     db: sa.Engine, version: int, error: BaseException, started: dt.datetime, algorithm: str = "grpo"
 ) -> None:
     try:
-        with Session(db) as session, session.begin():
-            session.add(
-                TrainStep(
-                    version=None,
-                    base_version=version,
-                    algorithm=algorithm,
-                    status="failed",
-                    n_rollouts=0,
-                    n_paths=0,
-                    tokens_processed=0,
-                    trainable_tokens=0,
-                    error=f"{type(error).__name__}: {error}"[:4000],
-                    started_at=started,
-                    ended_at=dt.datetime.now(dt.UTC),
-                )
-            )
+        train_steps.record_failed(db, version, f"{type(error).__name__}: {error}", started, algorithm)
     except Exception as exc:  # the database is the likely cause of the failure itself: said once by the loop
         log.debug("could not record the failed step: %s", describe(exc))
 
 
 def run(
     trainer: Trainer,
-    cfg: LoopConfig,
     *,
     stop: threading.Event,
     on_step: Callable[[StepResult], None] = lambda r: None,
     on_wait: Callable[[str], None] = lambda msg: None,
     on_failure: Callable[[BaseException], None] = lambda exc: None,
+    gate: EvalGate | None = None,
 ) -> int:
     """Train until ``stop`` is set (or ``max_steps`` steps were published); returns the number of steps.
 
-    Before each look for data it carries out an operator's rollback request (``store/policy_control.py``)."""
+    Before each look for data it carries out an operator's rollback request (``store/policy_control.py``) and,
+    under guarded promotion, waits for (or with ``gate`` runs) the decision on the version it published last."""
+    cfg = trainer.config.trigger
     steps = 0
     backoff = cfg.interval
     last_wait = ""
@@ -142,9 +124,9 @@ def run(
             rollback_to = policy_control.read(trainer.db).rollback_to
             if rollback_to is not None:
                 trainer.rollback(rollback_to)
-            go, why = promotion_gate(trainer)
+            go, why = promotion_gate(trainer, gate)
             if go:
-                go, why = should_step(trainer, cfg)
+                go, why = should_step(trainer)
             result = trainer.step() if go else None
         except Exception as exc:
             fault.failed(f"{describe(exc)}; retrying in {backoff:.0f}s", exc_info=exc)
@@ -168,4 +150,4 @@ def run(
     return steps
 
 
-__all__ = ["LoopConfig", "oldest_ready_age", "promotion_gate", "record_failure", "run", "should_step"]
+__all__ = ["oldest_ready_age", "promotion_gate", "record_failure", "run", "should_step"]

@@ -34,7 +34,7 @@ advantages may also be [batch], one per row). Pure torch: no model, no optimizer
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -74,6 +74,41 @@ def policy_loss(
     (k3 estimate of KL(old ‖ new)), ``kl_ref`` when ``logp_ref`` is given, ``entropy`` when given, ``tokens``
     (the sum of token weights).
     """
+    _check_policy_options(clip_low, clip_high, is_cap, kl_coef, logp_ref)
+    m, u = _mask_and_weights(logp_new, mask, weights)
+    terms = _policy_terms(
+        logp_new, logp_old, logp_rollout, advantages, logp_ref, m, u.dtype, clip_low, clip_high, is_cap
+    )
+    per_token = terms.pg
+    if terms.kl is not None and kl_coef > 0:
+        per_token = terms.pg + kl_coef * terms.kl
+    loss = aggregate(per_token, u, aggregation, segment_ids)
+
+    with torch.no_grad():
+        metrics = {
+            "loss": float(loss),
+            "pg_loss": float(aggregate(terms.pg, u, aggregation, segment_ids)),
+            **_policy_metrics(terms, m, u, clip_low, clip_high, is_cap, entropy),
+        }
+    return loss, metrics
+
+
+class _PolicyTerms(NamedTuple):
+    """Per-token quantities of the policy loss, zero at masked positions."""
+
+    adv: Tensor
+    log_ratio: Tensor  # logp_new − logp_old
+    ratio: Tensor
+    w_raw: Tensor  # exp(logp_old − logp_rollout), before truncation
+    w: Tensor  # the truncated IS weight
+    pg: Tensor  # −w·J
+    kl: Tensor | None  # k3 to the reference policy, when logp_ref is given
+
+
+def _check_policy_options(
+    clip_low: float, clip_high: float, is_cap: float | None, kl_coef: float, logp_ref: Tensor | None
+) -> None:
+    """Reject clip ranges, IS caps and KL coefficients outside their domains."""
     if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
     if is_cap is not None and not is_cap > 0:
@@ -82,8 +117,21 @@ def policy_loss(
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
     if kl_coef > 0 and logp_ref is None:
         raise ValueError("kl_coef > 0 needs logp_ref")
-    m, u = _mask_and_weights(logp_new, mask, weights)
-    dtype = u.dtype
+
+
+def _policy_terms(
+    logp_new: Tensor,
+    logp_old: Tensor,
+    logp_rollout: Tensor,
+    advantages: Tensor,
+    logp_ref: Tensor | None,
+    m: Tensor,
+    dtype: torch.dtype,
+    clip_low: float,
+    clip_high: float,
+    is_cap: float | None,
+) -> _PolicyTerms:
+    """The clipped surrogate, truncated IS weights and k3 KL of every token (gradient only through logp_new)."""
     old = _trained(logp_old, m, dtype, "logp_old")
     roll = _trained(logp_rollout, m, dtype, "logp_rollout")
     adv = _trained(_expand(advantages, logp_new), m, dtype, "advantages")
@@ -95,34 +143,37 @@ def policy_loss(
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv)
     w_raw = torch.exp(old - roll)
     w = torch.ones_like(w_raw) if is_cap is None else torch.clamp(w_raw, max=is_cap)
-    pg_token = -w * surrogate
-    per_token = pg_token
-    kl_token: Tensor | None = None
+    kl: Tensor | None = None
     if logp_ref is not None:
-        ref = _trained(logp_ref, m, dtype, "logp_ref")
-        d = ref - new
-        kl_token = torch.exp(d) - d - 1.0
-        if kl_coef > 0:
-            per_token = pg_token + kl_coef * kl_token
-    loss = aggregate(per_token, u, aggregation, segment_ids)
+        d = _trained(logp_ref, m, dtype, "logp_ref") - new
+        kl = torch.exp(d) - d - 1.0
+    return _PolicyTerms(adv, log_ratio, ratio, w_raw, w, -w * surrogate, kl)
 
-    with torch.no_grad():
-        metrics = {
-            "loss": float(loss),
-            "pg_loss": float(aggregate(pg_token, u, aggregation, segment_ids)),
-            "clip_frac_low": _wmean((adv < 0) & (ratio < 1.0 - clip_low), u),
-            "clip_frac_high": _wmean((adv > 0) & (ratio > 1.0 + clip_high), u),
-            "is_weight_mean": _wmean(w, u),
-            "is_weight_max": float(w_raw[m].max()) if bool(m.any()) else 0.0,
-            "is_truncated_frac": _wmean(w_raw > is_cap, u) if is_cap is not None else 0.0,
-            "approx_kl": _wmean(ratio - 1.0 - log_ratio, u),
-            "tokens": float(u.sum()),
-        }
-        if kl_token is not None:
-            metrics["kl_ref"] = _wmean(kl_token, u)
-        if entropy is not None:
-            metrics["entropy"] = _wmean(_trained(entropy, m, dtype, "entropy"), u)
-    return loss, metrics
+
+def _policy_metrics(
+    t: _PolicyTerms,
+    m: Tensor,
+    u: Tensor,
+    clip_low: float,
+    clip_high: float,
+    is_cap: float | None,
+    entropy: Tensor | None,
+) -> dict[str, float]:
+    """``policy_loss``'s metrics after ``loss`` and ``pg_loss``, in their documented order."""
+    metrics = {
+        "clip_frac_low": _wmean((t.adv < 0) & (t.ratio < 1.0 - clip_low), u),
+        "clip_frac_high": _wmean((t.adv > 0) & (t.ratio > 1.0 + clip_high), u),
+        "is_weight_mean": _wmean(t.w, u),
+        "is_weight_max": float(t.w_raw[m].max()) if bool(m.any()) else 0.0,
+        "is_truncated_frac": _wmean(t.w_raw > is_cap, u) if is_cap is not None else 0.0,
+        "approx_kl": _wmean(t.ratio - 1.0 - t.log_ratio, u),
+        "tokens": float(u.sum()),
+    }
+    if t.kl is not None:
+        metrics["kl_ref"] = _wmean(t.kl, u)
+    if entropy is not None:
+        metrics["entropy"] = _wmean(_trained(entropy, m, u.dtype, "entropy"), u)
+    return metrics
 
 
 def value_loss(

@@ -16,7 +16,8 @@ One step (``optimize``):
    sibling branches: a branch's GAE reads only the values on its own path;
 3. a forward pass with gradient: PPO-clip with truncated IS (``loss.policy_loss``) plus ``value_coef`` times the
    clipped value loss (``loss.value_loss``) against the returns, both summed over distinct trained tokens and
-   divided by their number (as the GRPO step); then one optimizer step for the LoRA and one for the head.
+   divided by their number, in the update loop GRPO uses too (``update.run``, which also defines the step's
+   metrics); then one optimizer step for the LoRA and one for the head.
 
 A shared prefix token lies on c kept paths, and each path gives it its own advantage and return (they differ
 when γ < 1 or λ < 1: the futures below the branch point differ). The token's advantage and return are defined as
@@ -42,7 +43,7 @@ Pure torch on the model side; no database.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,12 +54,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
+from torch.nn.utils import clip_grad_norm_
 
-from prefix_tree import RolloutTree, TreeNode
+from prefix_tree import RolloutTree
+from trainer import update
 from trainer.advantages import gae, terminal_rewards
-from trainer.batch import PackedBatch, pack_trees
+from trainer.batch import PackedBatch
 from trainer.logprobs import logprobs_from_logits
-from trainer.loss import policy_loss, value_loss
+from trainer.loss import value_loss
+from trainer.update import UpdateSettings
 
 __all__ = [
     "VALUE_HEAD",
@@ -75,35 +79,17 @@ __all__ = [
 
 VALUE_HEAD = "value_head.safetensors"
 Key = tuple[int, int]  # (node id, position in the path): one token of one tree
-MAX_GRAD_NORM = 1.0
-_TOKEN_SUMS = ("loss", "pg_loss", "value_loss")  # metrics that are token sums under aggregation="token_sum"
+TokenKey = tuple[int, int, int]  # (tree index, node id, position): one token of one step
 
 
-class PPOSettings(Protocol):
-    """What ``optimize`` reads from the trainer's configuration (``step.TrainConfig`` has all of it)."""
+class PPOSettings(UpdateSettings, Protocol):
+    """What ``optimize`` reads from the trainer's configuration (``config.TrainConfig`` has all of it)."""
 
-    @property
-    def gamma(self) -> float: ...
-    @property
-    def lam(self) -> float: ...
-    @property
-    def value_coef(self) -> float: ...
-    @property
-    def value_clip(self) -> float | None: ...
-    @property
-    def critic_warmup_steps(self) -> int: ...
-    @property
-    def clip_low(self) -> float: ...
-    @property
-    def clip_high(self) -> float: ...
-    @property
-    def is_cap(self) -> float: ...
-    @property
-    def temperature(self) -> float: ...
-    @property
-    def strategy(self) -> str: ...
-    @property
-    def max_tokens_per_bin(self) -> int: ...
+    gamma: float
+    lam: float
+    value_coef: float
+    value_clip: float | None
+    critic_warmup_steps: int
 
 
 # ------------------------------------------------------------------------------------------------ the critic
@@ -181,16 +167,6 @@ class Branch:
     returns: npt.NDArray[np.float64]
 
 
-def _chain(leaf: TreeNode) -> list[TreeNode]:
-    chain: list[TreeNode] = []
-    node: TreeNode | None = leaf
-    while node is not None:
-        chain.append(node)
-        node = node.parent
-    chain.reverse()
-    return chain
-
-
 def branch_gae(
     tree: RolloutTree,
     reward: float | Mapping[str, float],
@@ -211,7 +187,7 @@ def branch_gae(
     for leaf in tree.leaves():
         located = [
             ((node.id, node.depth + int(i)), node.generator)
-            for node in _chain(leaf)
+            for node in leaf.chain()
             for i in np.flatnonzero(node.trainable)
         ]
         located = [(k, g) for k, g in located if k[1] > 0]  # position 0 has no source position, hence no prediction
@@ -286,12 +262,12 @@ def _forward(policy: Any, batch: PackedBatch, temperature: float) -> tuple[Tenso
     return logprobs_from_logits(logits, batch.targets), caught[0][batch.rows, at]
 
 
-def _keys(batch: PackedBatch) -> list[tuple[int, int, int]]:
+def _keys(batch: PackedBatch) -> list[TokenKey]:
     """(tree index, node id, position) of every prediction."""
     return list(zip(batch.rollout_index.tolist(), batch.nodes.tolist(), batch.depths.tolist(), strict=True))
 
 
-def _lookup(keys: list[tuple[int, int, int]], table: Mapping[tuple[int, int, int], float], device: Any) -> Tensor:
+def _lookup(keys: list[TokenKey], table: Mapping[TokenKey, float], device: Any) -> Tensor:
     return torch.tensor([table[k] for k in keys], dtype=torch.float32, device=device)
 
 
@@ -305,81 +281,112 @@ def optimize(
     *,
     rollout_advantages: dict[int, float] | None = None,
     call_advantages: dict[str, float] | None = None,
-    progress: Callable[[str, int, int], None] | None = None,
+    progress: update.Progress | None = None,
 ) -> dict[str, float]:
     """One PPO step over ``trees`` (one rollout each, with its reward): GAE per branch, then one update.
 
     A tree's reward is a number (the rollout's) or a mapping from generating call to reward (a tree of turns:
     see ``branch_gae``). ``optimizer`` holds the policy's trainable (LoRA) parameters, ``critic`` the value head
     and its optimizer. When ``rollout_advantages`` is given it receives, per tree index, the mean advantage over
-    that tree's distinct trained tokens; ``call_advantages`` the same per generating call. Returns the metrics:
-    ``value_loss`` (mean over distinct trained tokens, before the update),
-    ``explained_variance`` (1 − Var(R − V_old)/Var(R) over distinct trained tokens; left out when the returns
-    have no variance), ``value_mean``, ``return_mean``, ``value_clip_frac``, ``advantage_mean``,
-    ``advantage_std``, ``critic_warmup`` (1 on a warm-up step), the policy metrics of ``loss.policy_loss``
-    (``loss`` and ``pg_loss`` as means over distinct trained tokens), ``grad_norm`` (LoRA, before clipping; 0
-    in warm-up), ``value_grad_norm``, ``tokens_processed`` (per forward pass; the step runs two) and
-    ``trainable_tokens``.
+    that tree's distinct trained tokens; ``call_advantages`` the same per generating call. Returns the step
+    metrics of ``update.run`` (``loss``, ``pg_loss``, ``tokens``, ``is_weight_max``, ``grad_norm`` — 0 in
+    warm-up —, ``tokens_processed`` of the update's forward passes, ``trainable_tokens``, …) with ``value_loss``
+    and ``value_clip_frac`` among them (before the update), and ``explained_variance`` (1 − Var(R − V_old)/Var(R)
+    over distinct trained tokens; left out when the returns have no variance), ``value_mean``, ``return_mean``,
+    ``advantage_mean``, ``advantage_std``, ``critic_warmup`` (1 on a warm-up step) and ``value_grad_norm``.
     """
     if len(trees) != len(rewards):
         raise ValueError(f"{len(trees)} trees but {len(rewards)} rewards")
     if config.value_coef < 0:
         raise ValueError(f"value_coef must be >= 0, got {config.value_coef}")
-    device = policy.get_input_embeddings().weight.device
-    batches = [
-        b
-        for b in pack_trees(trees, config.strategy, config.max_tokens_per_bin)  # type: ignore[arg-type]
-        if b.num_predictions
-    ]
-    total = float(sum(float(b.weights[b.trainable].sum()) for b in batches)) or 1.0
+    batches = update.pack(trees, config)
+    old_values = _old_values(policy, critic, batches, config.temperature, progress)
+    advantages, returns = _targets(trees, rewards, old_values, config, rollout_advantages, call_advantages)
 
-    # 1. V_old at every trained token; copies of a token (per-path rows) hold the same state: their mean.
-    sums: dict[tuple[int, int, int], list[float]] = {}
+    # One update: policy loss + value_coef · value loss (warm-up: the value loss alone, trunk frozen).
+    warmup = critic.updates < config.critic_warmup_steps
+    critic.optimizer.zero_grad(set_to_none=True)
+    loss = _micro_batch_loss(policy, critic, config, (advantages, returns, old_values), warmup=warmup)
+    metrics = update.run(policy, optimizer, batches, loss, train_policy=not warmup, progress=progress)
+    value_grad_norm = clip_grad_norm_(critic.head.parameters(), max_norm=update.MAX_GRAD_NORM)
+    critic.optimizer.step()
+    critic.updates += 1
+
+    adv_all = np.array(list(advantages.values()), dtype=np.float64)
+    metrics["advantage_mean"] = float(adv_all.mean()) if adv_all.size else 0.0
+    metrics["advantage_std"] = float(adv_all.std()) if adv_all.size else 0.0
+    metrics["critic_warmup"] = float(warmup)
+    metrics["value_grad_norm"] = float(value_grad_norm)
+    ev = explained_variance([old_values[k] for k in returns], list(returns.values()))
+    if ev is not None:
+        metrics["explained_variance"] = ev
+    return metrics
+
+
+def _old_values(
+    policy: Any, critic: Critic, batches: Sequence[PackedBatch], temperature: float, progress: update.Progress | None
+) -> dict[TokenKey, float]:
+    """V_old at every trained token, without gradient; copies of a token (per-path rows) hold the same state:
+    their mean."""
+    device = policy.get_input_embeddings().weight.device
+    sums: dict[TokenKey, list[float]] = {}
     with torch.no_grad():
         for i, b in enumerate(batches):
-            if progress is not None:
-                progress("values", i + 1, len(batches))
-            _, hidden = _forward(policy, b.to(device), config.temperature)
+            _, hidden = _forward(policy, b.to(device), temperature)
             for k, v in zip(_keys(b), critic.head(hidden).tolist(), strict=True):
                 acc = sums.setdefault(k, [0.0, 0.0])
                 acc[0] += v
                 acc[1] += 1.0
-    old_values = {k: s / n for k, (s, n) in sums.items()}
+            if progress is not None:
+                progress("values", i + 1, len(batches))
+    return {k: s / n for k, (s, n) in sums.items()}
+
+
+def _targets(
+    trees: Sequence[RolloutTree],
+    rewards: Sequence[float | Mapping[str, float]],
+    old_values: Mapping[TokenKey, float],
+    config: PPOSettings,
+    rollout_advantages: dict[int, float] | None,
+    call_advantages: dict[str, float] | None,
+) -> tuple[dict[TokenKey, float], dict[TokenKey, float]]:
+    """GAE per branch, tree by tree: every trained token's advantage and return (means over the paths through it),
+    and the per-tree and per-call mean advantages ``optimize`` reports."""
     per_tree: list[dict[Key, float]] = [{} for _ in trees]
     for (index, node, pos), v in old_values.items():
         per_tree[index][(node, pos)] = v
-
-    # 2. GAE per branch, tree by tree; per-token targets are means over the paths through the token.
-    advantages: dict[tuple[int, int, int], float] = {}
-    returns: dict[tuple[int, int, int], float] = {}
+    advantages: dict[TokenKey, float] = {}
+    returns: dict[TokenKey, float] = {}
     per_call: dict[str, list[float]] = {}
     for index, (tree, reward) in enumerate(zip(trees, rewards, strict=True)):
         credit = reward if isinstance(reward, Mapping) else float(reward)
-        branches = branch_gae(tree, credit, per_tree[index], gamma=config.gamma, lam=config.lam)
-        targets = token_targets(branches)
+        targets = token_targets(branch_gae(tree, credit, per_tree[index], gamma=config.gamma, lam=config.lam))
         for (node, pos), (a, r) in targets.items():
             advantages[(index, node, pos)] = a
             returns[(index, node, pos)] = r
             generator = tree.nodes[node].generator
-            if call_advantages is not None and generator is not None:
+            if generator is not None:
                 per_call.setdefault(generator, []).append(a)
         if rollout_advantages is not None and targets:
             rollout_advantages[index] = float(np.mean([a for a, _ in targets.values()]))
     if call_advantages is not None:
         call_advantages.update({call: float(np.mean(values)) for call, values in per_call.items()})
+    return advantages, returns
 
-    # 3. One update: policy loss + value_coef · value loss (warm-up: the value loss alone, trunk frozen).
-    warmup = critic.updates < config.critic_warmup_steps
-    optimizer.zero_grad(set_to_none=True)
-    critic.optimizer.zero_grad(set_to_none=True)
-    metrics: dict[str, float] = {}
-    processed = 0
-    for i, b in enumerate(batches):
-        if progress is not None:
-            progress("train", i + 1, len(batches))
-        b = b.to(device)
-        keys = _keys(b)
-        adv, ret, old = (_lookup(keys, table, device) for table in (advantages, returns, old_values))
+
+def _micro_batch_loss(
+    policy: Any,
+    critic: Critic,
+    config: PPOSettings,
+    targets: tuple[Mapping[TokenKey, float], Mapping[TokenKey, float], Mapping[TokenKey, float]],
+    *,
+    warmup: bool,
+) -> update.MicroBatchLoss:
+    """PPO's loss of one micro-batch for ``update.run``: the policy term plus ``value_coef`` times the clipped value
+    loss against the returns (``targets``: advantages, returns, V_old per token), both token sums."""
+
+    def loss(b: PackedBatch) -> tuple[Tensor, dict[str, float]]:
+        adv, ret, old = (_lookup(_keys(b), table, b.targets.device) for table in targets)
         with torch.set_grad_enabled(not warmup):
             logp, hidden = _forward(policy, b, config.temperature)
         vloss, vm = value_loss(
@@ -391,54 +398,11 @@ def optimize(
             weights=b.weights,
             aggregation="token_sum",
         )
-        ploss, pm = policy_loss(
-            logp,
-            logp.detach(),  # one update per batch: the "old" policy is the current one
-            b.rollout_logprobs,
-            adv,
-            b.trainable,
-            clip_low=config.clip_low,
-            clip_high=config.clip_high,
-            is_cap=config.is_cap,
-            aggregation="token_sum",
-            weights=b.weights,
-        )
-        loss = config.value_coef * vloss if warmup else ploss + config.value_coef * vloss
-        (loss / total).backward()
-        processed += b.num_tokens
-        share = float(b.weights[b.trainable].sum()) / total
-        for name, value in {**pm, **vm}.items():
-            if name == "is_weight_max":
-                metrics[name] = max(metrics.get(name, 0.0), value)
-                continue
-            # Token sums become means over distinct tokens; means are weighted by the batch's share of tokens.
-            scale = 1.0 if name == "tokens" else 1.0 / total if name in _TOKEN_SUMS else share
-            metrics[name] = metrics.get(name, 0.0) + value * scale
-    trainable = [p for p in policy.parameters() if p.requires_grad]
-    grad_norm = 0.0
-    if not warmup:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_norm=MAX_GRAD_NORM))
-        optimizer.step()
-    value_grad_norm = float(torch.nn.utils.clip_grad_norm_(critic.head.parameters(), max_norm=MAX_GRAD_NORM))
-    critic.optimizer.step()
-    critic.updates += 1
+        ploss, pm = update.policy_term(logp, b, adv, config)
+        total = config.value_coef * vloss if warmup else ploss + config.value_coef * vloss
+        return total, {**pm, **vm}
 
-    adv_all = np.array(list(advantages.values()), dtype=np.float64)
-    metrics.update(
-        {
-            "advantage_mean": float(adv_all.mean()) if adv_all.size else 0.0,
-            "advantage_std": float(adv_all.std()) if adv_all.size else 0.0,
-            "critic_warmup": float(warmup),
-            "grad_norm": grad_norm,
-            "value_grad_norm": value_grad_norm,
-            "tokens_processed": float(processed),
-            "trainable_tokens": total,
-        }
-    )
-    ev = explained_variance([old_values[k] for k in returns], list(returns.values()))
-    if ev is not None:
-        metrics["explained_variance"] = ev
-    return metrics
+    return loss
 
 
 def explained_variance(values: Sequence[float], returns: Sequence[float]) -> float | None:

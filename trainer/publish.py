@@ -22,10 +22,8 @@ from pathlib import Path
 from types import TracebackType
 
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
 
-from gateway.store import policy_control, promotion
-from gateway.store.models import PolicyVersion, TrainedRollout, TrainedTurn, TrainStep
+from gateway.store import policy_versions, train_steps
 from trainer import lora
 
 log = logging.getLogger("clawgate.trainer")
@@ -70,11 +68,6 @@ class TrainerLock:
         self.release()
 
 
-def published_versions(db: sa.Engine) -> list[int]:
-    with Session(db) as session:
-        return list(session.scalars(sa.select(PolicyVersion.version).order_by(PolicyVersion.version)))
-
-
 def recover(db: sa.Engine, adapter_dir: str | Path) -> int | None:
     """The newest version both on disk and in the database; orphan directories moved aside. None: start fresh.
 
@@ -82,7 +75,7 @@ def recover(db: sa.Engine, adapter_dir: str | Path) -> int | None:
     mounted): training on would fork the policy's history.
     """
     on_disk = set(lora.versions(adapter_dir))
-    known = published_versions(db)
+    known = policy_versions.published(db)
     missing = [v for v in known if v not in on_disk]
     if missing:
         raise FileNotFoundError(
@@ -116,78 +109,31 @@ def record_version(
     consumed: dict[str, float | None],
     consumed_turns: dict[str, tuple[str, float | None, float | None]],
     metrics: dict[str, float],
+    gated: bool = False,
 ) -> int:
-    """The second half of publishing ``policy@vN`` (written to ``path``): one transaction records the train step
+    """The second half of publishing ``policy@vN`` (written to ``path``): one transaction (``train_steps.publish``)
+    records the train step
     (``step``: when it started, None for v0), what it consumed with its advantages, and the ``policy_versions``
     row. Returns the step's id (0 for v0)."""
-    now = dt.datetime.now(dt.UTC)
-    with Session(db) as session, session.begin():
-        step_id = 0
-        if step is not None:
-            row = TrainStep(
-                version=manifest.version,
-                base_version=manifest.parent_version,
-                algorithm=algorithm,
-                status="ok",
-                n_rollouts=len(consumed) + len(consumed_turns),
-                n_paths=0,
-                tokens_processed=int(metrics.get("tokens_processed", 0)),
-                trainable_tokens=int(metrics.get("trainable_tokens", 0)),
-                metrics=metrics,
-                started_at=step[0],
-                ended_at=now,
-            )
-            session.add(row)
-            session.flush()
-            step_id = row.id
-            for rollout_id, advantage in consumed.items():
-                session.add(
-                    TrainedRollout(
-                        rollout_id=rollout_id,
-                        epoch=epoch,
-                        step_id=step_id,
-                        version=manifest.version,
-                        advantage=advantage,
-                        created_at=now,
-                    )
-                )
-            for call_id, (rollout_id, reward, advantage) in consumed_turns.items():
-                session.add(
-                    TrainedTurn(
-                        call_id=call_id,
-                        epoch=epoch,
-                        rollout_id=rollout_id,
-                        step_id=step_id,
-                        version=manifest.version,
-                        reward=reward,
-                        advantage=advantage,
-                        created_at=now,
-                    )
-                )
-        # Under guarded promotion a trained version is a candidate that must earn its traffic (gateway/promotion).
-        stage = promotion.initial_stage(session, rolled_back_from=manifest.rolled_back_from)
-        session.add(
-            PolicyVersion(
-                version=manifest.version,
-                adapter_name=lora.version_name(manifest.version),
-                path=str(path),
-                base_model=manifest.base_model,
-                status="published",
-                is_current=False,
-                step=step_id or None,
-                metrics=metrics or None,
-                created_at=now,
-                parent_version=manifest.parent_version,
-                rolled_back_from=manifest.rolled_back_from,
-                stage=stage,
-                stage_at=now,
-            )
-        )
-        if manifest.rolled_back_from is not None:
-            policy_control.complete_rollback(session, manifest.rolled_back_from)
-        if stage == "promoted":
-            promotion.record_published(session, manifest.version, rolled_back_from=manifest.rolled_back_from, at=now)
-    return step_id
+    new = policy_versions.NewVersion(
+        version=manifest.version,
+        adapter_name=lora.version_name(manifest.version),
+        path=str(path),
+        base_model=manifest.base_model,
+        parent_version=manifest.parent_version,
+        rolled_back_from=manifest.rolled_back_from,
+    )
+    return train_steps.publish(
+        db,
+        new,
+        algorithm=algorithm,
+        epoch=epoch,
+        started=step[0] if step is not None else None,
+        consumed=consumed,
+        consumed_turns=consumed_turns,
+        metrics=metrics,
+        gated=gated,
+    )
 
 
-__all__ = ["ORPHANS", "TrainerBusy", "TrainerLock", "published_versions", "record_version", "recover"]
+__all__ = ["ORPHANS", "TrainerBusy", "TrainerLock", "record_version", "recover"]

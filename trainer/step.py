@@ -18,7 +18,8 @@ with each version (``value_head.safetensors``).
 
 A step packs the trees (``batch.pack_trees``: shared prefixes computed and counted once), accumulates the gradient
 of the PPO-clip loss with token-level truncated importance sampling against the engine's logprobs
-(``loss.policy_loss``), normalized by the number of distinct trainable tokens, takes one optimizer step, saves
+(``loss.policy_loss``), normalized by the number of distinct trainable tokens, and takes one optimizer step — the
+update loop and the step's metrics (``loss``, ``tokens``, …) are ``update.py``'s, shared with PPO. It then saves
 ``policy@v(N+1)`` and, in one transaction (``publish.record_version``), records the train step, the new policy
 version and everything it consumed (``trained_rollouts`` / ``trained_turns``, primary keys (id, epoch): nothing is
 trained twice in an epoch). A crash before that commit leaves nothing recorded: the data stays ready and the next
@@ -46,17 +47,16 @@ from typing import cast
 import sqlalchemy as sa
 import torch
 
-from gateway.store import promotion, turns
+from gateway.store import policy_versions, turns
 from gateway.store.readiness import ready_rollouts, stale_rollouts, stale_turns
 from gateway.store.training_data import RolloutData, load_rollout, load_turns, turn_trees
 from prefix_tree import RolloutTree
-from trainer import lora, ppo, publish
+from trainer import lora, ppo, publish, update
 from trainer.advantages import AdvantageResult, batch_advantages, group_advantages
-from trainer.batch import pack_trees
+from trainer.batch import PackedBatch
 from trainer.config import TrainConfig, resolve_device
 from trainer.credit import Credit, CreditTable
 from trainer.logprobs import sequence_logprobs
-from trainer.loss import policy_loss
 from trainer.plan import StepPlan, StepResult, group_of, served_version
 
 log = logging.getLogger("clawgate.trainer")
@@ -87,7 +87,7 @@ class Trainer:
                 metrics={},
             )
         else:
-            self.parent = promotion.newest_not_rejected(db) or 0
+            self.parent = policy_versions.newest_not_rejected(db) or 0
             path = lora.version_path(config.adapter_dir, self.parent)
             self.policy = lora.load_policy(base, path, gradient_checkpointing=config.gradient_checkpointing)
             self.version = latest
@@ -97,16 +97,19 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
 
     def step(self) -> StepResult | None:
+        """One training step, or None when nothing is ready: claim the ready rollouts and turns, build their trees,
+        set aside what cannot train (``_screen``), update (GRPO/batch advantages, or PPO with the critic), and publish
+        the next version with what it consumed, so that nothing is trained twice."""
         cfg = self.config
         t0 = time.perf_counter()
         started = dt.datetime.now(dt.UTC)
         ids = ready_rollouts(self.db, cfg.epoch, cfg.max_rollouts)
-        turn_ids = turns.ready_turns(self.db, cfg.epoch, cfg.max_rollouts, await_judge=cfg.await_judge)
-        if len(ids) + len(turn_ids) < cfg.min_rollouts:
+        turn_ids = turns.ready_turns(self.db, cfg.epoch, cfg.max_turns, await_judge=cfg.await_judge)
+        if not ids and not turn_ids:
             return None
         data = self._hold_lonely([d for d in (load_rollout(self.db, i, cfg.tree) for i in ids) if d is not None])
         plan = StepPlan(data, load_turns(self.db, turn_ids))
-        if len(plan.rollouts) + len(plan.turns) < cfg.min_rollouts:
+        if not plan.rollouts and not plan.turns:
             return None
         self._screen(plan)
         metrics = self._critic_step(plan) if cfg.advantage == "critic" else self._policy_gradient_step(plan)
@@ -287,41 +290,13 @@ class Trainer:
     def _optimize(self, trees: list[RolloutTree], credits: list[Credit]) -> dict[str, float]:
         """One policy-gradient update over ``trees``; each trained token's advantage comes from ``credits``."""
         cfg = self.config
-        device = next(self.policy.parameters()).device
         table = CreditTable(trees, credits)
-        batches = pack_trees(trees, cfg.strategy, cfg.max_tokens_per_bin)  # type: ignore[arg-type]
-        total = float(sum(float(b.weights[b.trainable].sum()) for b in batches)) or 1.0
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        processed = 0
-        for i, b in enumerate(batches):
-            b = b.to(device)
-            logp = sequence_logprobs(self.policy, b, temperature=cfg.temperature)
-            loss, m = policy_loss(
-                logp,
-                logp.detach(),  # one update per batch: the "old" policy is the current one
-                b.rollout_logprobs,
-                table.for_batch(b),
-                b.trainable,
-                clip_low=cfg.clip_low,
-                clip_high=cfg.clip_high,
-                is_cap=cfg.is_cap,
-                aggregation="token_sum",
-                weights=b.weights,
-            )
-            (loss / total).backward()
-            if self.progress is not None:
-                self.progress("train", i + 1, len(batches))
-            processed += b.num_tokens
-            share = float(b.weights[b.trainable].sum()) / total
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + v * share
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.policy.parameters() if p.requires_grad], max_norm=1.0
-        )
-        self.optimizer.step()
-        sums.update({"grad_norm": float(grad_norm), "tokens_processed": float(processed), "trainable_tokens": total})
-        return sums
+
+        def loss(batch: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
+            logp = sequence_logprobs(self.policy, batch, temperature=cfg.temperature)
+            return update.policy_term(logp, batch, table.for_batch(batch), cfg)
+
+        return update.run(self.policy, self.optimizer, update.pack(trees, cfg), loss, progress=self.progress)
 
     def rollback(self, to: int) -> int:
         """Continue from version ``to``: its weights (and value head) become the policy's, the optimizer starts
@@ -400,6 +375,7 @@ class Trainer:
             consumed=consumed,
             consumed_turns=consumed_turns or {},
             metrics=metrics,
+            gated=self.config.eval_gate,
         )
 
 

@@ -51,7 +51,7 @@ class Sink(Protocol):
 
 # Step figure -> (Prometheus series, help) of the gauges that hold the newest step's value.
 GAUGES: dict[str, tuple[str, str]] = {
-    "loss": ("clawgate_trainer_loss", "loss of the newest step"),
+    "loss": ("clawgate_trainer_loss", "policy loss of the newest step, per trainable token (trainer/update.py)"),
     "reward_mean": ("clawgate_trainer_reward_mean", "mean rollout reward of the newest step"),
     "turn_reward_mean": ("clawgate_trainer_turn_reward_mean", "mean turn reward of the newest step"),
     "approx_kl": ("clawgate_trainer_kl", "approximate KL to the sampling policy in the newest step"),

@@ -1,1 +1,2 @@
-"""HTTP routers, one module per protocol. Routes only translate between HTTP and the serving core."""
+"""The gateway's own HTTP API beside the model protocols: rollouts, rewards and feedback, policy versions, health
+and metrics, the OpenAPI document. Each module holds its routes; ``*_wire.py`` their request models."""

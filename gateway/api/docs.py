@@ -14,8 +14,9 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from gateway.api.deps import State, require_admin
-from gateway.api.routing import HOISTED
+from gateway.deps import require_admin
+from gateway.protocols.common.routes import HOISTED
+from gateway.state import State
 
 router = APIRouter(include_in_schema=False)
 

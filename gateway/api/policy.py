@@ -12,12 +12,13 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from gateway.api.deps import AdminAuth, State
+from gateway.api.policy_wire import OptionalVersion, VersionChoice
+from gateway.deps import AdminAuth
 from gateway.errors import Conflict, NotFound
+from gateway.policy import apply_change
 from gateway.promotion.promoter import rule_of
 from gateway.promotion.status import status
-from gateway.protocol.policy import OptionalVersion, VersionChoice
-from gateway.state import AppState
+from gateway.state import AppState, State
 from gateway.store import console, policy_control, promotion
 
 router = APIRouter()
@@ -60,13 +61,11 @@ async def describe_policy(state: AppState) -> dict[str, Any]:
 async def apply(state: AppState, change: Any, *args: Any) -> dict[str, Any]:
     """Write the change, let this gateway's follower act on it now, and describe the result."""
     try:
-        await asyncio.to_thread(change, state.db, *args)
+        await apply_change(state.db, state.policy, change, *args)
     except policy_control.UnknownVersion as exc:
         raise NotFound(str(exc), param="version") from None
     except promotion.NotDecidable as exc:
         raise Conflict(str(exc), param="version") from None
-    if state.policy is not None:
-        await state.policy.sync()
     return await describe_policy(state)
 
 

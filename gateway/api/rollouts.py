@@ -12,9 +12,10 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request
 
-from gateway.api.deps import AdminAuth, State, authorize_rollout, store_caught_up
-from gateway.errors import NotFound
-from gateway.protocol.rollouts import CreateRollout, FinishRollout, PostFeedback, PostReward
+from gateway.api.rollouts_wire import CreateRollout, FinishRollout, PostFeedback, PostReward
+from gateway.deps import AdminAuth, authorize_rollout, store_caught_up
+from gateway.errors import Conflict, NotFound
+from gateway.state import State
 from gateway.store import console, rollout_lifecycle
 from gateway.store.training_data import load_rollout
 
@@ -23,16 +24,21 @@ router = APIRouter()
 
 @router.post("/v1/rollouts", dependencies=[AdminAuth], status_code=201)
 async def create_rollout(body: CreateRollout, request: Request, state: State) -> dict[str, Any]:
-    rollout, key = await asyncio.to_thread(
-        rollout_lifecycle.create,
-        state.db,
-        task_id=body.task_id,
-        harness=body.harness,
-        group=body.group,
-        metadata=body.metadata,
-        eval=body.eval,
-    )
-    state.rollout_keys[rollout.id] = rollout.api_key_hash
+    try:
+        rollout, key = await asyncio.to_thread(
+            rollout_lifecycle.create,
+            state.db,
+            task_id=body.task_id,
+            harness=body.harness,
+            group=body.group,
+            metadata=body.metadata,
+            eval=body.eval,
+            policy_version=body.policy_version,
+        )
+    except rollout_lifecycle.VersionNotServable as exc:
+        error = NotFound if exc.stage is None else Conflict
+        raise error(str(exc), param="policy_version") from None
+    state.rollout_keys[rollout.id] = rollout_lifecycle.Access(rollout.api_key_hash, rollout.policy_version)
     base = str(request.base_url).rstrip("/")
     return {**rollout_lifecycle.summary(rollout), "api_key": key, "base_url": f"{base}/rollouts/{rollout.id}/v1"}
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import exc as sa_exc
 
-from gateway.api.deps import State
+from gateway.state import State
 from gateway.store import turns
 from gateway.store.errors import is_transient
 from gateway.store.readiness import training_counts

@@ -15,6 +15,7 @@ from html import escape
 PALETTE = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2")
 WIDTH, HEIGHT = 560, 200
 PAD_LEFT, PAD_RIGHT, PAD_TOP, PAD_BOTTOM = 48, 12, 12, 28
+INNER_W, INNER_H = WIDTH - PAD_LEFT - PAD_RIGHT, HEIGHT - PAD_TOP - PAD_BOTTOM
 
 
 @dataclass(slots=True)
@@ -43,6 +44,22 @@ def _bounds(values: list[float]) -> tuple[float, float]:
     return low, high
 
 
+@dataclass(frozen=True, slots=True)
+class _Frame:
+    """The plotted ranges, and where a value falls inside the axes."""
+
+    x0: float
+    x1: float
+    y0: float
+    y1: float
+
+    def px(self, x: float) -> float:
+        return PAD_LEFT + (x - self.x0) / (self.x1 - self.x0) * INNER_W
+
+    def py(self, y: float) -> float:
+        return PAD_TOP + (1 - (y - self.y0) / (self.y1 - self.y0)) * INNER_H
+
+
 def line_chart(title: str, series: Sequence[Series], *, x_label: str = "", y_label: str = "") -> str:
     """An SVG line chart (a string of markup) of ``series`` sharing both axes."""
     xs = [x for s in series for x, _ in s.points]
@@ -55,64 +72,69 @@ def line_chart(title: str, series: Sequence[Series], *, x_label: str = "", y_lab
         return (
             head + f'<text x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle" class="empty">no data yet</text></svg>'
         )
-    x0, x1 = _bounds([float(x) for x in xs])
-    y0, y1 = _bounds(ys)
-    inner_w, inner_h = WIDTH - PAD_LEFT - PAD_RIGHT, HEIGHT - PAD_TOP - PAD_BOTTOM
+    frame = _Frame(*_bounds([float(x) for x in xs]), *_bounds(ys))
+    parts = [head, *_axes(frame, x_label, y_label)]
+    for i, s in enumerate(series):
+        parts.extend(_marks(frame, s, PALETTE[i % len(PALETTE)]))
+    if len(series) > 1:
+        parts.extend(_legend(series))
+    parts.append("</svg>")
+    return "".join(parts)
 
-    def px(x: float) -> float:
-        return PAD_LEFT + (x - x0) / (x1 - x0) * inner_w
 
-    def py(y: float) -> float:
-        return PAD_TOP + (1 - (y - y0) / (y1 - y0)) * inner_h
-
-    parts = [head]
-    bottom, right = PAD_TOP + inner_h, PAD_LEFT + inner_w
-    parts.append(
+def _axes(frame: _Frame, x_label: str, y_label: str) -> list[str]:
+    """The two axes, the range at each end of them, and their labels."""
+    x0, x1, y0, y1, py = frame.x0, frame.x1, frame.y0, frame.y1, frame.py
+    bottom, right = PAD_TOP + INNER_H, PAD_LEFT + INNER_W
+    return [
         f'<g class="axes" stroke="#9ca3af" stroke-width="1"><line x1="{PAD_LEFT}" y1="{bottom}" x2="{right}" '
-        f'y2="{bottom}"/><line x1="{PAD_LEFT}" y1="{PAD_TOP}" x2="{PAD_LEFT}" y2="{bottom}"/></g>'
-    )
-    parts.append(
+        f'y2="{bottom}"/><line x1="{PAD_LEFT}" y1="{PAD_TOP}" x2="{PAD_LEFT}" y2="{bottom}"/></g>',
         f'<g class="ticks" font-size="10" fill="#4b5563">'
         f'<text x="{PAD_LEFT - 4}" y="{py(y1) + 4:.1f}" text-anchor="end">{_fmt(y1)}</text>'
         f'<text x="{PAD_LEFT - 4}" y="{py(y0) + 4:.1f}" text-anchor="end">{_fmt(y0)}</text>'
         f'<text x="{PAD_LEFT}" y="{bottom + 14}" text-anchor="start">{_fmt(x0)}</text>'
         f'<text x="{right}" y="{bottom + 14}" text-anchor="end">{_fmt(x1)}</text>'
-        f'<text x="{PAD_LEFT + inner_w / 2}" y="{bottom + 24}" text-anchor="middle">{escape(x_label)}</text>'
-        f'<text x="10" y="{PAD_TOP + inner_h / 2}" text-anchor="middle" '
-        f'transform="rotate(-90 10 {PAD_TOP + inner_h / 2})">{escape(y_label)}</text></g>'
-    )
-    for i, s in enumerate(series):
-        color = PALETTE[i % len(PALETTE)]
-        name = escape(s.name)
-        segments: list[list[str]] = [[]]
-        for x, y in s.points:
-            if _finite(y):
-                segments[-1].append(f"{px(float(x)):.1f},{py(float(y)):.1f}")  # type: ignore[arg-type]
-            elif segments[-1]:
-                segments.append([])
-        for seg in segments:
-            if len(seg) > 1:
-                parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{" ".join(seg)}"/>')
-        for x, y in s.points:
-            if _finite(y):
-                fy = float(y)  # type: ignore[arg-type]
-                parts.append(
-                    f'<circle class="point" data-series="{name}" data-x="{x:g}" data-y="{fy:g}" '
-                    f'cx="{px(float(x)):.1f}" cy="{py(fy):.1f}" r="2.5" fill="{color}">'
-                    f"<title>{name}: {_fmt(fy)} at {x:g}</title></circle>"
-                )
-    if len(series) > 1:
-        legend = ['<g class="legend" font-size="10">']
-        for i, s in enumerate(series):
-            lx = PAD_LEFT + 8 + i * 130
-            legend.append(
-                f'<rect x="{lx}" y="{PAD_TOP}" width="10" height="3" fill="{PALETTE[i % len(PALETTE)]}"/>'
-                f'<text x="{lx + 14}" y="{PAD_TOP + 4}" fill="#374151">{escape(s.name)}</text>'
+        f'<text x="{PAD_LEFT + INNER_W / 2}" y="{bottom + 24}" text-anchor="middle">{escape(x_label)}</text>'
+        f'<text x="10" y="{PAD_TOP + INNER_H / 2}" text-anchor="middle" '
+        f'transform="rotate(-90 10 {PAD_TOP + INNER_H / 2})">{escape(y_label)}</text></g>',
+    ]
+
+
+def _marks(frame: _Frame, s: Series, color: str) -> list[str]:
+    """One series: a polyline per run of values (a missing value breaks the line), then a point per value."""
+    px, py = frame.px, frame.py
+    name = escape(s.name)
+    parts = []
+    segments: list[list[str]] = [[]]
+    for x, y in s.points:
+        if _finite(y):
+            segments[-1].append(f"{px(float(x)):.1f},{py(float(y)):.1f}")  # type: ignore[arg-type]
+        elif segments[-1]:
+            segments.append([])
+    for seg in segments:
+        if len(seg) > 1:
+            parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{" ".join(seg)}"/>')
+    for x, y in s.points:
+        if _finite(y):
+            fy = float(y)  # type: ignore[arg-type]
+            parts.append(
+                f'<circle class="point" data-series="{name}" data-x="{x:g}" data-y="{fy:g}" '
+                f'cx="{px(float(x)):.1f}" cy="{py(fy):.1f}" r="2.5" fill="{color}">'
+                f"<title>{name}: {_fmt(fy)} at {x:g}</title></circle>"
             )
-        legend.append("</g>")
-        parts.extend(legend)
-    parts.append("</svg>")
-    return "".join(parts)
+    return parts
+
+
+def _legend(series: Sequence[Series]) -> list[str]:
+    legend = ['<g class="legend" font-size="10">']
+    for i, s in enumerate(series):
+        lx = PAD_LEFT + 8 + i * 130
+        legend.append(
+            f'<rect x="{lx}" y="{PAD_TOP}" width="10" height="3" fill="{PALETTE[i % len(PALETTE)]}"/>'
+            f'<text x="{lx + 14}" y="{PAD_TOP + 4}" fill="#374151">{escape(s.name)}</text>'
+        )
+    legend.append("</g>")
+    return legend
 
 
 def logprob_colour(logprob: float) -> str:

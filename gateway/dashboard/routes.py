@@ -23,14 +23,14 @@ import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from gateway.api import policy as policy_api
-from gateway.api.deps import State
 from gateway.dashboard import auth, charts
-from gateway.errors import Conflict, NotFound
+from gateway.errors import NotFound
+from gateway.policy import apply_change
 from gateway.promotion.promoter import rule_of
 from gateway.promotion.status import status as promotion_status
-from gateway.state import AppState
+from gateway.state import AppState, State
 from gateway.store import console, policy_control, promotion, rollout_lifecycle
+from gateway.store.errors import RecordNotFound
 from gateway.store.readiness import training_counts
 from gateway.store.training_data import load_rollout
 
@@ -271,7 +271,7 @@ async def rollout_detail(request: Request, state: State, rollout_id: str) -> Res
         return _to_login(request)
     try:
         view = await asyncio.to_thread(_rollout_view, state, rollout_id)
-    except NotFound:
+    except RecordNotFound:
         page = render(state, "missing.html", title="Not found", what=f"rollout {rollout_id}")
         page.status_code = 404
         return page
@@ -364,15 +364,15 @@ async def policy_action(request: Request, state: State, action: str) -> Response
     changes: dict[str, Any] = {"pin": policy_control.pin, "rollback": policy_control.request_rollback}
     try:
         if action == "unpin":
-            await policy_api.apply(state, policy_control.unpin)
+            await apply_change(state.db, state.policy, policy_control.unpin)
         elif action in changes and raw.isdigit():
-            await policy_api.apply(state, changes[action], int(raw))
+            await apply_change(state.db, state.policy, changes[action], int(raw))
         elif action in ("promote", "reject") and raw.isdigit():
-            await policy_api.apply(state, promotion.decide_by_operator, action, int(raw))
+            await apply_change(state.db, state.policy, promotion.decide_by_operator, action, int(raw))
         else:
             raise NotFound(f"no policy action {action!r} for version {raw!r}")
-    except (NotFound, Conflict) as exc:
-        return RedirectResponse("/dashboard/versions?" + urlencode({"error": exc.message}), status_code=303)
+    except (NotFound, policy_control.UnknownVersion, promotion.NotDecidable) as exc:
+        return RedirectResponse("/dashboard/versions?" + urlencode({"error": str(exc)}), status_code=303)
     return RedirectResponse("/dashboard/versions", status_code=303)
 
 

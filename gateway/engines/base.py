@@ -12,6 +12,7 @@ distribution it was sampled from (after temperature/top-k/top-p processing). Err
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -87,4 +88,24 @@ class Engine(Protocol):
 
     async def adapters(self) -> list[str]: ...
 
+    # One greedy token through adapter ``name`` on every instance that serves it (each replica behind a router):
+    # raises when one cannot answer.
+    async def verify_adapter(self, name: str, prompt_ids: list[int]) -> None: ...
+
     async def health(self) -> bool: ...
+
+
+async def answer_once(engine: Engine, name: str, prompt_ids: list[int]) -> None:
+    """One greedy token through adapter ``name``: ``verify_adapter`` for an engine with one instance."""
+    request = GenerationRequest(
+        f"probe-{name}-{time.monotonic_ns()}",
+        list(prompt_ids) or [0],
+        SamplingParams(max_tokens=1, temperature=0.0),
+        name,
+        stream=False,
+    )
+    ended = False
+    async for event in engine.generate(request):
+        ended = ended or isinstance(event, GenerationEnd)
+    if not ended:
+        raise RuntimeError(f"the probe through {name} ended without an answer")

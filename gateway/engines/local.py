@@ -19,7 +19,7 @@ head of the queue wants a different adapter, admission pauses until the batch dr
 Models whose cache is not a plain ``DynamicCache`` of full-attention layers (sliding windows, linear attention)
 are served one request at a time.
 
-Stop strings are matched on the incrementally detokenized completion (``gateway.detokenize``) by the same
+Stop strings are matched on the incrementally detokenized completion (``gateway.core.detokenize``) by the same
 ``StopTrimmer`` the service uses on the client's text; the ids that end a turn come from
 ``gateway.end_of_turn``.
 """
@@ -40,7 +40,7 @@ import torch
 
 from gateway.end_of_turn import end_token_ids
 from gateway.engines.adapters import AdapterCommand, AdapterNames, CommandKind
-from gateway.engines.base import GenerationEnd, GenerationEvent, GenerationRequest
+from gateway.engines.base import GenerationEnd, GenerationEvent, GenerationRequest, answer_once
 from gateway.engines.local_worker import SHUTDOWN, LocalSequence, LocalWorker
 from gateway.engines.sampling import validate_params
 from gateway.errors import APIError, BadRequest, ContextTooLong, EngineUnavailable, NotFound
@@ -224,6 +224,9 @@ class LocalEngine:
 
     async def adapters(self) -> list[str]:
         return self._adapter_names.sorted()
+
+    async def verify_adapter(self, name: str, prompt_ids: list[int]) -> None:
+        await answer_once(self, name, prompt_ids)
 
     async def _command(self, kind: CommandKind, name: str, path: str) -> None:
         if self._thread is None or self._closing:

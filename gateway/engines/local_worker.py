@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from gateway.detokenize import IncrementalDetokenizer
+from gateway.core.detokenize import IncrementalDetokenizer
+from gateway.core.stops import StopTrimmer
 from gateway.engines import kv_batch
 from gateway.engines.adapters import AdapterCommand, ModelAdapters, resolve
 from gateway.engines.base import FinishReason, GenerationEnd, GenerationEvent, GenerationRequest, TokenDelta
 from gateway.engines.sampling import sample_token
 from gateway.errors import APIError, EngineError, EngineUnavailable, NotFound
-from gateway.stops import StopTrimmer
 
 logger = logging.getLogger("gateway.engines.local")
 

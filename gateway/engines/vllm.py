@@ -5,17 +5,15 @@ rendered; the request body, the reading of vLLM's answers and the mapping of its
 are pure functions in ``gateway.engines.vllm_wire`` (with the vLLM behaviour they rely on), so this module holds
 the HTTP client, the engine's lifecycle, adapters and aborts.
 
-The client is aiohttp's own, not httpx: this is the gateway's hot path, and measured here against a scripted
-vLLM, one unstreamed completion cost 270 us of CPU through aiohttp, 500 us through httpx over aiohttp's transport
-and 1,070 us through httpx's own (a 16-token stream: 350 us against 790 us).
+The client is aiohttp's own, not httpx: this is the gateway's hot path, and against a scripted vLLM
+(``bench/scripted_vllm.py``) aiohttp's client spends about half the CPU per completion that httpx's does.
 
 Closing the stream closes the connection, and vLLM aborts a request whose client disconnected, but its API
-server can notice that late: measured here, one closed stream went on for 3149 more tokens (25 s). So a
-generation that ends before its finish (the consumer closed the stream, the task was cancelled) is also
-aborted explicitly: each request carries ``X-Request-Id`` (vLLM names it ``cmpl-<id>-0``) and is named in
-``POST /inference/v1/abort_requests``, which vLLM serves when started with ``--enable-scale-out``
-(``VLLMServer`` and the compose file pass it). Without that endpoint (403/404) the client stops trying and
-relies on the disconnect alone.
+server can notice that thousands of tokens late. So a generation that ends before its finish (the consumer closed
+the stream, the task was cancelled) is also aborted explicitly: each request carries ``X-Request-Id`` (vLLM names
+it ``cmpl-<id>-0``) and is named in ``POST /inference/v1/abort_requests``, which vLLM serves when started with
+``--enable-scale-out`` (``VLLMServer`` and the compose file pass it). Without that endpoint (403/404) the client
+stops trying and relies on the disconnect alone.
 
 Several replicas (``replicas``: their base URLs) sit behind a router at ``base_url`` (``vllm-router``, see
 ``gateway/engines/vllm_router.py``). Generations go through the router with the rollout id in ``X-Session-ID``,
@@ -25,6 +23,12 @@ only after every reachable replica loaded it), the adapter list (the versions lo
 so a replica that came back without the current version makes the policy follower load it again), and aborts
 (the router does not say which replica runs a request; an abort naming an id a replica does not know is a no-op
 there). A replica that is down is skipped; when none answers the engine is unavailable.
+
+A gateway that serves several adapters side by side (guarded promotion: the incumbent and a candidate's canary)
+needs a server that batches them together: ``min_loras`` > 1 makes ``start`` read each replica's ``--max-loras``
+(``vllm_wire.max_loras_of``; a server that has not run a step yet is given a one-token generation first, after
+which it reports it) and refuse one that is lower with ``TooFewLoras``. One that does not report it is logged and
+let through.
 """
 
 from __future__ import annotations
@@ -32,20 +36,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
 import aiohttp
 import orjson
 
 from gateway.engines.base import GenerationEvent, GenerationRequest
+from gateway.engines.vllm_replicas import Replicas
 from gateway.engines.vllm_wire import (
     StreamReader,
     completion_body,
     error_from_response,
     transport_error,
 )
-from gateway.errors import APIError, BadRequest, EngineError, EngineUnavailable, NotFound
+from gateway.errors import APIError, EngineError, EngineUnavailable, NotFound
 
 logger = logging.getLogger(__name__)
 # The header vllm-router's consistent_hash policy reads first (before X-User-ID, X-Request-ID, body fields).
@@ -68,6 +73,8 @@ class VLLMEngine:
     generation config. ``timeout`` bounds the wait for each piece of an answer (a long generation is fine, a
     stalled server is not); ``start`` opens a connection pool sized for ``max_connections`` concurrent streams.
     ``stream_interval`` > 1 asks vLLM to stream the first token at once and then that many tokens per chunk.
+    ``min_loras``: adapters served side by side; ``start`` refuses a server whose ``--max-loras`` is lower (above 1
+    only: the check may cost a one-token generation), and ``max_loras`` then holds what each replica reported.
     """
 
     name = "vllm"
@@ -85,6 +92,7 @@ class VLLMEngine:
         connect_timeout: float = 5.0,
         replicas: Iterable[str] = (),
         stream_interval: int = 1,
+        min_loras: int = 1,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         # Where adapter loads, the adapter list and aborts go: each replica, or the one server.
@@ -93,6 +101,8 @@ class VLLMEngine:
         self.max_model_len = max_model_len or 0
         self.eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self.stream_interval = stream_interval
+        self.min_loras = min_loras
+        self.max_loras: dict[str, int | None] = {}  # replica -> its --max-loras (None: not reported), once checked
         self._requested_max_model_len = max_model_len
         self._session: aiohttp.ClientSession | None = None
         self._timeout = timeout
@@ -103,6 +113,7 @@ class VLLMEngine:
         self.abort_supported: bool | None = None
         self.aborts_sent = 0
         self._aborts: set[asyncio.Task[None]] = set()
+        self._replicas = Replicas(self.replicas, self._request, model)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
@@ -119,8 +130,14 @@ class VLLMEngine:
                 auto_decompress=False,
                 cookie_jar=aiohttp.DummyCookieJar(),
             )
-        if self._requested_max_model_len is None:
-            self.max_model_len = await self._served_max_model_len()
+        try:
+            if self._requested_max_model_len is None:
+                self.max_model_len = await self._served_max_model_len()
+            if self.min_loras > 1:
+                self.max_loras = await self._replicas.check_max_loras(self.min_loras)
+        except BaseException:  # nothing will close an engine that did not start
+            await self.close()
+            raise
 
     async def close(self) -> None:
         if self._aborts:
@@ -270,66 +287,20 @@ class VLLMEngine:
             body["stream_interval"] = self.stream_interval
         return orjson.dumps(body)
 
-    # ---- adapters ----------------------------------------------------------------------------------------
+    # ---- adapters (on every replica: gateway/engines/vllm_replicas.py) ------------------------------------
 
     async def load_adapter(self, name: str, path: str) -> None:
-        await self._on_every_replica(self._load_on, name, str(path))
-
-    async def _load_on(self, url: str, name: str, path: str) -> None:
-        status, body = await self._request(
-            "POST", "/v1/load_lora_adapter", base=url, body={"lora_name": name, "lora_path": path}
-        )
-        if status < 400:
-            return
-        error = error_from_response(status, body, "/v1/load_lora_adapter")
-        # Loading the same name from the same folder again (say, after a gateway restart) is a no-op; a new
-        # folder under an old name is refused, because vLLM's prefix cache would mix the two weights.
-        if (
-            isinstance(error, BadRequest)
-            and "already been loaded" in error.message
-            and await self._adapter_path(name, url) == path
-        ):
-            return
-        raise error
+        await self._replicas.load_adapter(name, path)
 
     async def unload_adapter(self, name: str) -> None:
-        await self._on_every_replica(self._unload_on, name)
-
-    async def _unload_on(self, url: str, name: str) -> None:
-        status, body = await self._request("POST", "/v1/unload_lora_adapter", base=url, body={"lora_name": name})
-        if status >= 400:
-            error = error_from_response(status, body, "/v1/unload_lora_adapter")
-            # A replica that restarted since the load no longer has it, which is what unloading asks for.
-            if len(self.replicas) > 1 and isinstance(error, NotFound):
-                return
-            raise error
+        await self._replicas.unload_adapter(name)
 
     async def adapters(self) -> list[str]:
         """The adapters loaded on every reachable replica (on the one server)."""
-        answers = await asyncio.gather(*(self._model_cards(url) for url in self.replicas), return_exceptions=True)
-        loaded: list[list[str]] = []
-        for answer in answers:
-            if isinstance(answer, EngineUnavailable) and len(self.replicas) > 1:
-                continue  # down: it is given the current version when it is back
-            if isinstance(answer, BaseException):
-                raise answer
-            loaded.append([card["id"] for card in answer if card.get("parent")])
-        if not loaded:
-            raise EngineUnavailable(f"no vLLM replica answers ({', '.join(self.replicas)})")
-        everywhere = set.intersection(*(set(names) for names in loaded))
-        return [name for name in loaded[0] if name in everywhere]
+        return await self._replicas.adapters()
 
-    async def _on_every_replica(self, step: Callable[..., Awaitable[None]], *args: str) -> None:
-        """Run ``step(url, *args)`` on every replica at once; a replica that is down is skipped as long as one
-        answered, any other failure is raised."""
-        results = await asyncio.gather(*(step(url, *args) for url in self.replicas), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        down = [e for e in errors if isinstance(e, EngineUnavailable)]
-        for error in errors:
-            if not isinstance(error, EngineUnavailable) or len(down) == len(results) or len(self.replicas) == 1:
-                raise error
-        for error in down:
-            logger.warning("%s (skipped: it gets the current version when it is back)", error.message)
+    async def verify_adapter(self, name: str, prompt_ids: list[int]) -> None:
+        await self._replicas.verify_adapter(name, prompt_ids)
 
     # ---- helpers -----------------------------------------------------------------------------------------
 
@@ -355,25 +326,8 @@ class VLLMEngine:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise transport_error(base, exc, path) from exc
 
-    async def _model_cards(self, base: str | None = None) -> list[dict[str, Any]]:
-        status, body = await self._request("GET", "/v1/models", base=base)
-        if status >= 400:
-            raise error_from_response(status, body, "/v1/models")
-        try:
-            cards: list[dict[str, Any]] = orjson.loads(body).get("data", [])
-        except (ValueError, AttributeError) as exc:
-            raise EngineError(f"vLLM at {base or self.base_url} sent an unreadable model list") from exc
-        return cards
-
     async def _served_max_model_len(self) -> int:
-        for card in await self._model_cards():
+        for card in await self._replicas.model_cards(self.base_url):
             if card.get("id") == self.model and card.get("max_model_len"):
                 return int(card["max_model_len"])
         raise NotFound(f"vLLM at {self.base_url} serves no base model named {self.model!r}", param="model")
-
-    async def _adapter_path(self, name: str, base: str | None = None) -> str | None:
-        for card in await self._model_cards(base):
-            if card.get("id") == name and card.get("parent"):
-                root: str | None = card.get("root")
-                return root
-        return None

@@ -32,22 +32,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
-import subprocess
-import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO
 
-import httpx
-
-_LOG_TAIL_LINES = 40
-
-
-class VLLMServerError(RuntimeError):
-    """The vLLM server failed to start (the message ends with the tail of its log)."""
+from gateway.engines.managed import ManagedServer
 
 
 def find_vllm_python(setting: str | None) -> str | None:
@@ -59,15 +48,7 @@ def find_vllm_python(setting: str | None) -> str | None:
     return str(local) if local.exists() else None
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (another process may still take it before the server binds)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-class VLLMServer:
+class VLLMServer(ManagedServer):
     """One ``vllm.entrypoints.openai.api_server`` process serving ``model`` as ``served_model_name``.
 
     ``kv_cache_space_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` (the CPU build's KV cache size; a GPU build ignores
@@ -96,11 +77,10 @@ class VLLMServer:
         env: Mapping[str, str] | None = None,
         log_path: Path | None = None,
     ) -> None:
+        super().__init__(host, port, log_path)
         self.python = python
         self.model = str(model)
         self.served_model_name = served_model_name
-        self.host = host
-        self.port = port if port is not None else free_port(host)
         self.max_model_len = max_model_len
         self.dtype = dtype
         self.enable_lora = enable_lora
@@ -111,19 +91,7 @@ class VLLMServer:
         self.lora_resolver_dir = lora_resolver_dir
         self.extra_args = list(extra_args)
         self.env = dict(env or {})
-        self.log_path = log_path
         self.startup_seconds: float | None = None
-        self._process: subprocess.Popen[bytes] | None = None
-        self._log_file: IO[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        """Base URL without ``/v1``, as ``VLLMEngine`` takes it."""
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
 
     def command(self) -> list[str]:
         args = [
@@ -182,59 +150,19 @@ class VLLMServer:
 
     def start(self, timeout: float = 180.0) -> None:
         """Start the server and wait until ``/health`` answers; raise ``VLLMServerError`` if it does not."""
-        if self.running:
-            return
-        if self.log_path is None:
-            handle, name = tempfile.mkstemp(prefix="vllm-", suffix=".log")
-            os.close(handle)
-            self.log_path = Path(name)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = self.log_path.open("ab")
-        started = time.monotonic()
-        self._process = subprocess.Popen(
-            self.command(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            env=self.environment(),
-            start_new_session=True,
-        )
-        deadline = started + timeout
-        with httpx.Client(timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                code = self._process.poll()
-                if code is not None:
-                    self.stop()
-                    tail = self.log_tail()
-                    raise VLLMServerError(f"vLLM exited with status {code} while starting:\n{tail}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"{self.url}/health").status_code == 200:
-                        self.startup_seconds = time.monotonic() - started
-                        return
-                time.sleep(0.5)
-        self.stop()
-        raise VLLMServerError(f"vLLM did not become healthy within {timeout:.0f} s:\n{self.log_tail()}")
+        if not self.running:
+            self.startup_seconds = self._launch(
+                self.command(), self.environment(), name="vLLM", timeout=timeout, poll=0.5
+            )
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM the server's process group, then SIGKILL it after ``grace`` seconds."""
-        process, self._process = self._process, None
+        process = self._process
+        super().stop(grace)
         if process is not None:
-            stop_group(process, grace)
             # Workers left behind by a crashed server would keep the KV cache's memory.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
-        self._close_log()
-
-    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
-
-    def _close_log(self) -> None:
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
 
     def __enter__(self) -> VLLMServer:
         self.start()
@@ -247,17 +175,3 @@ class VLLMServer:
         traceback: TracebackType | None,
     ) -> None:
         self.stop()
-
-
-def stop_group(process: subprocess.Popen[bytes], grace: float) -> None:
-    """SIGTERM a child's process group (it was started in a new session), then SIGKILL it after ``grace`` s."""
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()

@@ -33,10 +33,17 @@ Errors map onto ``gateway.errors``: a 400 about the context length → ``Context
 stalls → ``EngineTimeout``. An error event
 inside the stream carries the status vLLM would have answered with (some inputs are validated only after the
 stream began) and maps the same way when it is a 4xx; anything else there → ``EngineError``.
+
+The one answer read here that is not a completion's: a server's ``--max-loras`` (LoRA adapters one batch may hold),
+which vLLM 0.32 serves over HTTP only as the ``max_lora`` label of its ``vllm:lora_requests_info`` gauge on
+``/metrics`` (``vllm/v1/metrics/loggers.py``, ``PrometheusStatLogger``: declared when LoRA is on, sampled in
+``record`` from the scheduler's stats, so a server that has not run an engine step yet lists the gauge without a
+sample). ``/server_info`` would say too, but only in dev mode (``VLLM_SERVER_DEV_MODE``).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import aiohttp
@@ -65,6 +72,8 @@ FINISH_REASONS: dict[str, FinishReason] = {
     "repetition": "stop",
 }
 _CONTEXT_MARKERS = ("maximum context length", "too long")
+LORA_INFO = "vllm:lora_requests_info"
+_MAX_LORA = re.compile(r'[{,]max_lora="(\d+)"')
 
 
 def completion_body(
@@ -303,3 +312,12 @@ def transport_error(base_url: str, exc: aiohttp.ClientError | TimeoutError, path
     if isinstance(exc, TimeoutError):  # a read that waited longer than the timeout (aiohttp's are TimeoutErrors)
         return EngineTimeout(f"vLLM at {base_url} timed out{on}: {type(exc).__name__}")
     return EngineUnavailable(f"vLLM at {base_url} is unreachable{on}: {exc!r}")
+
+
+def max_loras_of(metrics: str) -> int | None:
+    """The ``--max-loras`` a vLLM server's ``/metrics`` text reports; None when it has no ``vllm:lora_requests_info``
+    sample (LoRA off, or no engine step yet: then the gauge is declared, ``LORA_INFO in metrics``)."""
+    for line in metrics.splitlines():
+        if line.startswith(LORA_INFO + "{") and (found := _MAX_LORA.search(line)) is not None:
+            return int(found.group(1))
+    return None

@@ -4,6 +4,7 @@
 - ``guarded``: the newest candidate starts a canary (older candidates are superseded: the trainer publishes one at a
   time, so more than one means a mode change or a hand-published version); a running canary is looked at every
   ``canary_check_interval`` seconds and promoted or rejected by ``stats.decide`` on the evidence since it began.
+  A version being evaluated (``evaluating``) is left to its trainer's evaluation gate (``trainer/eval_gate.py``).
 - While a version is pinned nothing is decided: the pin serves all traffic and the canary gathers no evidence; its
   clock keeps running, so a canary past its time limit is decided as soon as the pin is released.
 
@@ -57,7 +58,7 @@ class Promoter:
             return False
         if self.mode == promotion.IMMEDIATE:
             changed = False
-            for row in [*state.candidates, *([state.canary] if state.canary else [])]:
+            for row in [*state.evaluating, *state.candidates, *([state.canary] if state.canary else [])]:
                 changed |= self._move(row.version, "promoted", "immediate", state, None)
             return changed
         if state.canary is None:

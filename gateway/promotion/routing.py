@@ -11,7 +11,9 @@ the canary stays on the incumbent; one that began on the candidate stays on it),
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
 
 _SCALE = float(1 << 64)
 
@@ -53,6 +55,14 @@ class Routing:
             out.append(self.candidate)
         return out
 
+    def arm_of(self, version: int) -> Arm | None:
+        """The arm of ``version`` if this gateway serves it (a rollout pinned to a version), else None."""
+        if self.incumbent.version == version:
+            return self.incumbent
+        if self.candidate is not None and self.candidate.version == version:
+            return self.candidate
+        return self.kept.get(version)
+
     def arm_for(self, conversation_id: str, parent_version: int | None, continues: bool) -> Arm:
         """The arm of a call of ``conversation_id``; ``continues``: it continues an earlier call, served by
         ``parent_version``."""
@@ -75,3 +85,19 @@ class Routing:
 
 
 __all__ = ["Arm", "Routing", "in_canary"]
+
+
+class Routed(Protocol):
+    """What the policy follower (``gateway/policy.py``) reads and changes on the request core
+    (``gateway.core.service.ChatService``): the routing of new calls, and the calls running per adapter."""
+
+    routing: Routing
+    adapter_in_flight: Counter[str]
+
+    @property
+    def adapter(self) -> str | None: ...
+
+    @property
+    def policy_version(self) -> int | None: ...
+
+    def use_routing(self, routing: Routing) -> None: ...

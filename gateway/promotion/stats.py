@@ -131,20 +131,8 @@ def decide(
     reward = compare(rc, ri, alpha=rule.alpha, t_star=rule.min_n)
     error = compare(ec, ei, alpha=rule.alpha, t_star=rule.min_n)
     evidence: dict[str, Any] = {
-        "candidate": {
-            "n": rc.n,
-            "mean": _fmt(rc.mean),
-            "var": _fmt(rc.var),
-            "calls": ec.n,
-            "error_rate": _fmt(ec.mean),
-        },
-        "incumbent": {
-            "n": ri.n,
-            "mean": _fmt(ri.mean),
-            "var": _fmt(ri.var),
-            "calls": ei.n,
-            "error_rate": _fmt(ei.mean),
-        },
+        "candidate": _arm(rc, ec),
+        "incumbent": _arm(ri, ei),
         "diff": _fmt(reward.diff),
         "lower": _fmt(reward.lower),
         "upper": _fmt(reward.upper),

@@ -55,7 +55,7 @@ def status(db: sa.Engine, rule: Rule, *, history: int = 20) -> dict[str, Any]:
         "verdict": None,
         "decisions": [decision_dict(d) for d in promotion.decisions(db, history)],
     }
-    undecided = state.canary or (state.candidates[-1] if state.candidates else None)
+    undecided = state.undecided()
     if undecided is None:
         return out
     out.update(candidate=undecided.version, stage=undecided.stage)

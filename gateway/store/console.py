@@ -14,7 +14,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from gateway.store.models import Call, PolicyVersion, Reward, Rollout, TrainedRollout, TrainedTurn, TrainStep
+from gateway.store import policy_versions
+from gateway.store.models import Call, Reward, Rollout, TrainedRollout, TrainedTurn, TrainStep
 
 
 @dataclass(slots=True)
@@ -82,7 +83,7 @@ class VersionRow:
 def versions(db: sa.Engine, limit: int = 200) -> list[VersionRow]:
     """The newest ``limit`` policy versions, oldest first, with the rewards of what each one served."""
     with Session(db) as session:
-        rows = list(session.scalars(sa.select(PolicyVersion).order_by(PolicyVersion.version.desc()).limit(limit)))
+        rows = policy_versions.newest_first(session, limit)
         rows.reverse()
         if not rows:
             return []
@@ -331,7 +332,7 @@ def backlog(db: sa.Engine) -> Backlog:
     with Session(db) as session:
         by_status = dict(session.execute(sa.select(Rollout.status, sa.func.count()).group_by(Rollout.status)).all())
         calls = session.scalar(sa.select(sa.func.count()).select_from(Call)) or 0
-        versions = session.scalar(sa.select(sa.func.count()).select_from(PolicyVersion)) or 0
+        versions = policy_versions.count(session)
         steps = dict(session.execute(sa.select(TrainStep.status, sa.func.count()).group_by(TrainStep.status)).all())
     last = train_steps(db, limit=1)
     return Backlog(

@@ -1,8 +1,11 @@
-"""How the store fails: ``CaptureFull`` when the writer takes no more records, and which database errors pass.
+"""How the store fails: ``CaptureFull`` when the writer takes no more records, ``RecordNotFound`` and
+``InvalidInput`` when a request names a record that does not exist or asks for something the store refuses, and
+which database errors pass.
 
 ``is_transient`` separates "the database is not usable right now" (retry the same write later) from "this row
 is bad" (retry row by row, dead-letter what still fails). The store knows nothing about HTTP: the service maps
-``CaptureFull`` to its 503 answer, and the app maps a transient database error to one.
+``CaptureFull`` to its 503 answer, and the app maps a transient database error to one, ``RecordNotFound`` to a
+404 and ``InvalidInput`` to a 400 (same message, same ``param``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,25 @@ class CaptureFull(Exception):
         self.message = message
         self.code = code
         self.retry_after = retry_after
+
+
+class RecordNotFound(LookupError):
+    """A record named by the caller (a rollout, a call) does not exist; ``param`` names the argument that named it."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidInput(ValueError):
+    """An argument the store refuses (an unknown status, a rollout already finished otherwise, a bad cursor);
+    ``param`` names the argument."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
 
 
 # SQLSTATE classes (Postgres) that say "the database is not usable right now", not "this row is bad":

@@ -82,6 +82,9 @@ class Rollout(Base):
     finish_reason: Mapped[str | None] = mapped_column(sa.Text)
     # Evaluation rollouts measure a policy version; the trainer never trains on them.
     eval: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default=sa.false())
+    # Every call is served by this policy version (an evaluation of a version that serves no traffic yet); None:
+    # routed like any other conversation.
+    policy_version: Mapped[int | None] = mapped_column(sa.Integer)
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSONValue)
     api_key_hash: Mapped[str | None] = mapped_column(sa.String)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
@@ -197,8 +200,9 @@ class PolicyVersion(Base):
     # The version it was trained from; a rollback republishes an earlier version's weights as a new version.
     parent_version: Mapped[int | None] = mapped_column(sa.Integer)
     rolled_back_from: Mapped[int | None] = mapped_column(sa.Integer)  # the version whose weights it copies
-    # Guarded promotion (``gateway/promotion``): candidate -> canary -> promoted | rejected. The newest promoted
-    # version is the incumbent; a canary serves ``canary_share`` of new conversations from ``stage_at`` on.
+    # Guarded promotion (``gateway/promotion``): [evaluating ->] candidate -> canary -> promoted | rejected. The
+    # newest promoted version is the incumbent; a canary serves ``canary_share`` of new conversations from
+    # ``stage_at`` on; an evaluating version serves only the rollouts pinned to it (the evaluation gate).
     stage: Mapped[str] = mapped_column(sa.String, default="promoted", server_default="promoted")
     stage_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     canary_share: Mapped[float | None] = mapped_column(sa.Float)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from gateway.store.models import PolicyControl, PolicyVersion
+from gateway.store import policy_versions
+from gateway.store.models import PolicyControl
 
 ROW_ID = 1
 
@@ -49,7 +50,7 @@ def _row(session: Session) -> PolicyControl:
 
 
 def _require(session: Session, version: int) -> None:
-    if session.get(PolicyVersion, version) is None:
+    if not policy_versions.exists(session, version):
         raise UnknownVersion(f"policy version {version} was never published")
 
 

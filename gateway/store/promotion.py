@@ -1,7 +1,9 @@
 """Promotion stages in the database: what serves, the canary's evidence, and decisions taken with compare-and-set.
 
 A version's ``stage`` moves ``candidate`` → ``canary`` → ``promoted`` | ``rejected`` (a candidate may also be
-promoted or rejected directly: immediate mode, an operator, a newer candidate superseding it). Every move is one
+promoted or rejected directly: immediate mode, an operator, a newer candidate superseding it). A trainer with an
+evaluation gate publishes it ``evaluating`` first: it serves only the rollouts pinned to it until the gate moves it
+on to ``candidate`` or rejects it (``trainer/eval_gate.py``). Every move is one
 transaction that changes the stage only if it is still the one the mover saw (``UPDATE … WHERE stage IN …``) and
 records a ``promotion_decisions`` row, so when several gateways decide at once exactly one decision is taken.
 The promotion mode (``guarded`` | ``immediate``) is stored beside the operator's pin (``policy_control``): the
@@ -18,12 +20,12 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from gateway.store import policy_control
+from gateway.store import policy_control, policy_versions
 from gateway.store.models import Call, PolicyControl, PolicyVersion, PromotionDecision, Reward, Rollout
 from gateway.store.turns import turn_rewards
 
 GUARDED, IMMEDIATE = "guarded", "immediate"
-UNDECIDED = ("candidate", "canary")
+UNDECIDED = ("evaluating", "candidate", "canary")
 
 
 class NotDecidable(ValueError):
@@ -46,13 +48,15 @@ def mode_in(session: Session) -> str:
     return (row.promotion if row is not None else None) or IMMEDIATE
 
 
-def initial_stage(session: Session, *, rolled_back_from: int | None) -> str:
-    """The stage a version is published in: a candidate under guarded promotion, unless there is nothing to compare
-    it with (the first version) or its weights are an earlier version's (a rollback); promoted otherwise."""
+def initial_stage(session: Session, *, rolled_back_from: int | None, gated: bool = False) -> str:
+    """The stage a version is published in: a candidate under guarded promotion (``evaluating`` first when its
+    trainer has an evaluation gate), unless there is nothing to compare it with (the first version) or its weights
+    are an earlier version's (a rollback); promoted otherwise."""
     if mode_in(session) != GUARDED or rolled_back_from is not None:
         return "promoted"
-    has_incumbent = session.scalar(sa.select(PolicyVersion.version).where(PolicyVersion.stage == "promoted").limit(1))
-    return "candidate" if has_incumbent is not None else "promoted"
+    if not policy_versions.any_promoted(session):
+        return "promoted"
+    return "evaluating" if gated else "candidate"
 
 
 def record_published(session: Session, version: int, *, rolled_back_from: int | None, at: dt.datetime) -> None:
@@ -66,12 +70,8 @@ def record_published(session: Session, version: int, *, rolled_back_from: int | 
     )
     if not guarded:
         return
-    for older in session.scalars(
-        sa.select(PolicyVersion.version).where(PolicyVersion.version < version, PolicyVersion.stage.in_(UNDECIDED))
-    ).all():
-        session.execute(
-            sa.update(PolicyVersion).where(PolicyVersion.version == older).values(stage="rejected", stage_at=at)
-        )
+    for older in policy_versions.older_in_stages(session, version, UNDECIDED):
+        policy_versions.set_stage(session, older, expect=None, stage="rejected", stage_at=at)
         session.add(
             PromotionDecision(
                 version=older,
@@ -91,19 +91,18 @@ class State:
     incumbent: PolicyVersion | None = None  # the newest promoted version
     canary: PolicyVersion | None = None
     candidates: list[PolicyVersion] = field(default_factory=list)  # published, not yet in a canary, oldest first
+    evaluating: list[PolicyVersion] = field(default_factory=list)  # before the evaluation gate, oldest first
     promoted: list[int] = field(default_factory=list)  # every promoted version, newest first
+
+    def undecided(self) -> PolicyVersion | None:
+        """The version the operator looks at: the canary, else the newest candidate, else the newest evaluated."""
+        return self.canary or next(iter(self.candidates[-1:] or self.evaluating[-1:]), None)
 
 
 def read_state(db: sa.Engine) -> State:
     with Session(db, expire_on_commit=False) as session:
         control = session.get(PolicyControl, policy_control.ROW_ID)
-        rows = list(
-            session.scalars(
-                sa.select(PolicyVersion)
-                .where(PolicyVersion.stage.in_(("candidate", "canary", "promoted")))
-                .order_by(PolicyVersion.version.desc())
-            )
-        )
+        rows = policy_versions.in_stages(session, (*UNDECIDED, "promoted"))
     state = State(
         mode=(control.promotion if control is not None else None) or IMMEDIATE,
         pinned=control.pinned_version if control is not None else None,
@@ -114,6 +113,8 @@ def read_state(db: sa.Engine) -> State:
             state.incumbent = state.incumbent or row
         elif row.stage == "canary":
             state.canary = state.canary or row
+        elif row.stage == "evaluating":
+            state.evaluating.insert(0, row)
         else:
             state.candidates.insert(0, row)
     return state
@@ -138,12 +139,7 @@ def move(
     if share is not None:
         values["canary_share"] = share
     with Session(db) as session, session.begin():
-        done = session.execute(
-            sa.update(PolicyVersion)
-            .where(PolicyVersion.version == version, PolicyVersion.stage.in_(tuple(expect)))
-            .values(**values)
-        )
-        if done.rowcount != 1:  # type: ignore[attr-defined]
+        if not policy_versions.set_stage(session, version, expect=expect, **values):
             return False
         session.add(
             PromotionDecision(
@@ -160,15 +156,18 @@ def move(
 
 
 def decide_by_operator(db: sa.Engine, outcome: str, version: int | None, who: str = "operator") -> int:
-    """Promote or reject a candidate or canary (the newest undecided one when ``version`` is None); returns it."""
+    """Promote or reject a version being evaluated, a candidate or a canary (the newest undecided one when
+    ``version`` is None); returns it."""
     state = read_state(db)
-    undecided = [v.version for v in ([state.canary] if state.canary else []) + state.candidates]
+    undecided = [v.version for v in ([state.canary] if state.canary else []) + state.candidates + state.evaluating]
     if version is None:
         if not undecided:
-            raise NotDecidable("no version is a candidate or in a canary")
+            raise NotDecidable("no version is being evaluated, a candidate or in a canary")
         version = max(undecided)
     if version not in undecided:
-        raise NotDecidable(f"policy@v{version} is not a candidate or in a canary (undecided: {sorted(undecided)})")
+        raise NotDecidable(
+            f"policy@v{version} is not being evaluated, a candidate or in a canary (undecided: {sorted(undecided)})"
+        )
     to = "promoted" if outcome == "promote" else "rejected"
     incumbent = state.incumbent.version if state.incumbent else None
     if not move(db, version, expect=UNDECIDED, to=to, reason="operator", decided_by=who, incumbent=incumbent):
@@ -186,7 +185,8 @@ class Evidence:
 
 
 def evidence(db: sa.Engine, candidate: int, incumbent: int | None, since: dt.datetime) -> Evidence:
-    """What each arm earned since the canary began. Cancelled calls (the client went away) are neither."""
+    """What each arm earned since the canary began. Cancelled calls (the client went away) are neither; rollouts
+    pinned to a version (evaluations, not a share of traffic) are left out."""
     arms = {candidate: 0} if incumbent is None else {candidate: 0, incumbent: 1}
     out = Evidence()
     with Session(db) as session:
@@ -197,6 +197,7 @@ def evidence(db: sa.Engine, candidate: int, incumbent: int | None, since: dt.dat
                 Call.policy_version.in_(tuple(arms)),
                 Call.started_at >= since,
                 Call.status.in_(("ok", "failed")),
+                Rollout.policy_version.is_(None),
             )
         ).all()
         turn_arm: dict[str, int] = {}
@@ -227,17 +228,6 @@ def evidence(db: sa.Engine, candidate: int, incumbent: int | None, since: dt.dat
     return out
 
 
-def stage_of(db: sa.Engine, version: int) -> str | None:
-    with Session(db) as session:
-        return session.scalar(sa.select(PolicyVersion.stage).where(PolicyVersion.version == version))
-
-
-def newest_not_rejected(db: sa.Engine) -> int | None:
-    """The newest version whose weights a trainer may train on from (a rejected one's it must not)."""
-    with Session(db) as session:
-        return session.scalar(sa.select(sa.func.max(PolicyVersion.version)).where(PolicyVersion.stage != "rejected"))
-
-
 def decisions(db: sa.Engine, limit: int = 50, version: int | None = None) -> list[PromotionDecision]:
     query = sa.select(PromotionDecision).order_by(PromotionDecision.id.desc()).limit(limit)
     if version is not None:
@@ -259,9 +249,7 @@ __all__ = [
     "initial_stage",
     "mode_in",
     "move",
-    "newest_not_rejected",
     "read_state",
     "record_published",
     "set_mode",
-    "stage_of",
 ]

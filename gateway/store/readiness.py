@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from gateway.store import turns
-from gateway.store.models import Call, Judgement, PolicyVersion, Reward, Rollout, TrainedRollout, TrainedTurn
+from gateway.store import policy_versions, turns
+from gateway.store.models import Call, Judgement, Reward, Rollout, TrainedRollout, TrainedTurn
 
 
 def ready_condition(epoch: int | None) -> tuple[sa.ColumnElement[bool], ...]:
@@ -128,7 +128,7 @@ def training_counts(db: sa.Engine, await_judge: bool) -> TrainingCounts:
         done = session.scalar(sa.select(sa.func.count(sa.distinct(TrainedRollout.rollout_id))))
         turns_done = session.scalar(sa.select(sa.func.count(sa.distinct(TrainedTurn.call_id))))
         verdicts = dict(session.execute(sa.select(Judgement.status, sa.func.count()).group_by(Judgement.status)).all())
-        newest = session.scalar(sa.select(sa.func.max(PolicyVersion.version)))
+        newest = policy_versions.newest(session)
     return TrainingCounts(
         rollouts_ready=int(ready or 0),
         rollouts_trained=int(done or 0),

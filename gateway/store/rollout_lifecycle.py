@@ -19,12 +19,21 @@ from typing import Any, cast
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from gateway.errors import BadRequest, NotFound
-from gateway.store import codec, repo
+from gateway.store import codec, policy_versions, repo
+from gateway.store.errors import InvalidInput, RecordNotFound
 from gateway.store.models import Call, Reward, Rollout, utcnow
 
 ROLLOUT_KEY_PREFIX = "cgr-"
 FINISHED = ("completed", "failed", "aborted")
+
+
+class VersionNotServable(ValueError):
+    """A rollout was to be pinned to a version that was never published (``stage`` None) or was rejected."""
+
+    def __init__(self, version: int, stage: str | None) -> None:
+        what = "was never published" if stage is None else "was rejected"
+        super().__init__(f"policy@v{version} {what}: no rollout can be served by it")
+        self.version, self.stage = version, stage
 
 
 def new_rollout_key() -> str:
@@ -54,7 +63,10 @@ def create(
     group: str | None,
     metadata: dict[str, Any] | None,
     eval: bool = False,
+    policy_version: int | None = None,
 ) -> tuple[Rollout, str]:
+    """A new explicit rollout and its key. ``policy_version``: every call is served by that version, which must be
+    published and not rejected (``VersionNotServable`` otherwise)."""
     key = new_rollout_key()
     now = utcnow()
     rollout = Rollout(
@@ -66,24 +78,41 @@ def create(
         status="open",
         metadata_=metadata,
         eval=eval,
+        policy_version=policy_version,
         api_key_hash=hash_key(key),
         created_at=now,
         updated_at=now,
     )
     with Session(db, expire_on_commit=False) as session, session.begin():
+        if policy_version is not None:
+            stage = policy_versions.stage(session, policy_version)
+            if stage is None or stage == "rejected":
+                raise VersionNotServable(policy_version, stage)
         session.add(rollout)
     return rollout, key
 
 
-def key_hash_of(db: sa.Engine, rollout_id: str) -> str | None:
+@dataclass(frozen=True, slots=True)
+class Access:
+    """What serving needs of an explicit rollout: its key's hash (None: no key) and the version it is pinned to."""
+
+    key_hash: str | None = None
+    policy_version: int | None = None
+
+
+def access_of(db: sa.Engine, rollout_id: str) -> Access:
+    """A rollout that does not exist (yet: a client may name one on its first call) has neither."""
     with Session(db) as session:
-        return session.scalar(sa.select(Rollout.api_key_hash).where(Rollout.id == rollout_id))
+        row = session.execute(
+            sa.select(Rollout.api_key_hash, Rollout.policy_version).where(Rollout.id == rollout_id)
+        ).one_or_none()
+    return Access() if row is None else Access(row[0], row[1])
 
 
 def _get(session: Session, rollout_id: str) -> Rollout:
     rollout = session.get(Rollout, rollout_id)
     if rollout is None:
-        raise NotFound(f"rollout {rollout_id!r} not found", param="rollout_id")
+        raise RecordNotFound(f"rollout {rollout_id!r} not found", param="rollout_id")
     return rollout
 
 
@@ -109,7 +138,7 @@ def call_rollout(db: sa.Engine, call_id: str) -> str:
     with Session(db) as session:
         rollout_id = session.scalar(sa.select(Call.rollout_id).where(Call.id == call_id))
     if rollout_id is None:
-        raise NotFound(f"call {call_id!r} not found", param="call_id")
+        raise RecordNotFound(f"call {call_id!r} not found", param="call_id")
     return rollout_id
 
 
@@ -169,11 +198,11 @@ def closed_since(db: sa.Engine, since: dt.datetime) -> list[str]:
 
 def finish(db: sa.Engine, rollout_id: str, status: str, reason: str | None = None) -> Rollout:
     if status not in FINISHED:
-        raise BadRequest(f"status must be one of {', '.join(FINISHED)}", param="status")
+        raise InvalidInput(f"status must be one of {', '.join(FINISHED)}", param="status")
     with Session(db, expire_on_commit=False) as session, session.begin():
         rollout = _get(session, rollout_id)
         if rollout.status in FINISHED and rollout.status != status:
-            raise BadRequest(f"rollout {rollout_id!r} is already {rollout.status}", param="status")
+            raise InvalidInput(f"rollout {rollout_id!r} is already {rollout.status}", param="status")
         now = utcnow()
         rollout.status = status
         rollout.finish_reason = reason or rollout.finish_reason
@@ -205,7 +234,7 @@ def _decode_cursor(cursor: str) -> tuple[dt.datetime, str]:
         stamp, rollout_id = raw.split("|", 1)
         return dt.datetime.fromisoformat(stamp), rollout_id
     except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest("invalid cursor", param="cursor") from exc
+        raise InvalidInput("invalid cursor", param="cursor") from exc
 
 
 def list_rollouts(
@@ -253,6 +282,7 @@ def summary(rollout: Rollout) -> dict[str, Any]:
         "status": rollout.status,
         "finish_reason": rollout.finish_reason,
         "eval": rollout.eval,
+        "policy_version": rollout.policy_version,
         "metadata": rollout.metadata_,
         "created_at": rollout.created_at.isoformat(),
         "updated_at": rollout.updated_at.isoformat(),

@@ -163,6 +163,39 @@ def turn_rewards(session: Session, call_ids: Iterable[str]) -> dict[str, TurnRew
     return out
 
 
+@dataclass(slots=True)
+class TurnHistory:
+    """A turn and what became of it: its rollout's status, its reward, the judge's verdict, its training."""
+
+    call: Call
+    rollout_status: str
+    reward: TurnReward | None
+    verdict: Judgement | None
+    trained: TrainedTurn | None  # the latest epoch that consumed it
+
+
+def turn_history(db: sa.Engine, *, rollout_id: str | None = None, limit: int = 20) -> list[TurnHistory]:
+    """The newest turns (of one rollout, or all), newest first (``clawgate turns``)."""
+    query = sa.select(Call, Rollout.status).join(Rollout, Rollout.id == Call.rollout_id).where(*is_turn())
+    if rollout_id is not None:
+        query = query.where(Call.rollout_id == rollout_id)
+    query = query.order_by(Call.started_at.desc(), Call.id.desc()).limit(limit)
+    with Session(db) as session:
+        rows = session.execute(query).all()
+        ids = [call.id for call, _ in rows]
+        rewards = turn_rewards(session, ids)
+        verdicts = {j.call_id: j for j in session.scalars(sa.select(Judgement).where(Judgement.call_id.in_(ids)))}
+        trained: dict[str, TrainedTurn] = {}
+        for t in session.scalars(
+            sa.select(TrainedTurn).where(TrainedTurn.call_id.in_(ids)).order_by(TrainedTurn.epoch)
+        ):
+            trained[t.call_id] = t
+    return [
+        TurnHistory(call, status, rewards.get(call.id), verdicts.get(call.id), trained.get(call.id))
+        for call, status in rows
+    ]
+
+
 def _chunks(items: list[str], size: int) -> Iterable[list[str]]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
@@ -172,10 +205,12 @@ __all__ = [
     "CONVERSATION_APIS",
     "FINAL",
     "Backlog",
+    "TurnHistory",
     "TurnReward",
     "backlog",
     "judgeable",
     "ready",
     "ready_turns",
+    "turn_history",
     "turn_rewards",
 ]

@@ -29,6 +29,9 @@ Postgres, not the disk.
 Calls and rollouts are idempotent (insert-or-ignore by id, upsert), so a replay of rows whose commit was in
 doubt writes them once. Rewards have no natural key and could be written twice in that (rare) case. One spool
 directory belongs to one writer process.
+
+This module is the queue, its waiters and the writer's lifecycle; ``batch_commit.py`` commits a batch on the
+writer's thread (the connection, the row-by-row retry, the dead letters).
 """
 
 from __future__ import annotations
@@ -40,12 +43,12 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import sqlalchemy as sa
 
 from gateway.faults import Fault
 from gateway.store import spool
+from gateway.store.batch_commit import BatchCommitter, Outcome
 from gateway.store.errors import (
     CAPTURE_CLOSED_RETRY_AFTER_S,
     CAPTURE_RETRY_AFTER_S,
@@ -53,8 +56,8 @@ from gateway.store.errors import (
     describe_error,
     is_transient,
 )
-from gateway.store.records import Record, RolloutRecord
-from gateway.store.rows import Prepared, Statements, next_state_link, prepare
+from gateway.store.records import Record
+from gateway.store.rows import Prepared
 from gateway.store.spool import DEAD_LETTER_FILE
 
 log = logging.getLogger("clawgate.capture")
@@ -69,12 +72,6 @@ class WriterStats:
     spooled: int = 0
     replayed: int = 0
     last_error: str | None = None
-
-
-@dataclass
-class _Outcome:
-    written: int
-    dead: list[tuple[Record, str]]
 
 
 class CallWriter:
@@ -101,16 +98,9 @@ class CallWriter:
             raise ValueError("max_queue and batch_size must be positive")
         if synchronous_commit not in ("on", "off"):
             raise ValueError("synchronous_commit must be 'on' or 'off'")
-        self._engine = engine
-        self._statements = Statements(engine.dialect.name)
-        # Postgres only: set once on the writer's own connection (see _connect), so no other work on the pool
-        # runs with it.
-        self._session_setup = (
-            f"SET synchronous_commit = {synchronous_commit}" if engine.dialect.name == "postgresql" else None
-        )
-        # The writer's own connection, used only on its thread (see _connect).
-        self._connection: sa.Connection | None = None
         self._spool_dir = Path(spool_dir)
+        # The database side, used only on the writer's thread (``self._executor``).
+        self._committer = BatchCommitter(engine, self._spool_dir, synchronous_commit)
         self._max_queue = max_queue
         self._batch_size = batch_size
         self._flush_interval = flush_interval
@@ -303,7 +293,7 @@ class CallWriter:
                 waiting.set_result(durable)
         self._durable_waiters.clear()
         # On the writer thread, after a commit still running there (if any): the connection is that thread's.
-        self._executor.submit(self._disconnect)
+        self._executor.submit(self._committer.disconnect)
         self._executor.shutdown(wait=False)
 
     def _on_task_done(self, task: asyncio.Task[None]) -> None:
@@ -341,21 +331,23 @@ class CallWriter:
             self._release_waiters()
             self._delete_replay_files()
 
-    async def _write(self, batch: list[Record]) -> _Outcome:
+    async def _write(self, batch: list[Record]) -> Outcome:
         loop = asyncio.get_running_loop()
         prepared: list[Prepared] = []  # filled on the first try, reused by the retries
         delay = self._initial_backoff
         while True:
             try:
                 # One hop to the writer thread per try: the rows are prepared there on the first.
-                outcome = await loop.run_in_executor(self._executor, self._prepare_and_commit, batch, prepared)
+                outcome = await loop.run_in_executor(
+                    self._executor, self._committer.prepare_and_commit, batch, prepared
+                )
             except Exception as error:
                 if not is_transient(error):
-                    # _commit settles row errors itself, so this is unexpected; keep the rows and keep going.
+                    # the committer settles row errors itself, so this is unexpected; keep the rows and keep going.
                     log.exception("capture write of %d rows failed unexpectedly; dead-lettering them", len(batch))
                     dead = [(record, describe_error(error)) for record in batch]
-                    await loop.run_in_executor(self._executor, self._dead_letter, dead)
-                    return _Outcome(written=0, dead=dead)
+                    await loop.run_in_executor(self._executor, self._committer.dead_letter, dead)
+                    return Outcome(written=0, dead=dead)
                 self.stats.retries += 1
                 self.stats.last_error = describe_error(error)
                 self.fault.failed(f"{self.stats.last_error}; {self.stats.queued} rows waiting", exc_info=error)
@@ -377,137 +369,6 @@ class CallWriter:
             else:
                 still.append((target, future))
         self._waiters = still
-
-    # -- on the worker thread --------------------------------------------------------------------------------
-
-    def _prepare_and_commit(self, batch: list[Record], prepared: list[Prepared]) -> _Outcome:
-        if not prepared:
-            prepared.append(prepare(batch))
-        return self._commit(prepared[0], len(batch))
-
-    def _connect(self) -> sa.Connection:
-        """The writer's own connection, opened on first use and after a failure.
-
-        Held across batches and taken out of the pool (``detach``: closing it closes it): a commit then pays for no
-        pool checkout and no pre-ping round trip, and the session setting applies to this connection only (behind
-        a pooler in transaction mode, set ``synchronous_commit`` on the database role instead). A connection that
-        failed is dropped (``_disconnect``) and the retry opens a new one.
-        """
-        connection = self._connection
-        if connection is not None and not connection.closed and not connection.invalidated:
-            return connection
-        self._disconnect()
-        connection = self._engine.connect()
-        try:
-            connection.detach()
-            if self._session_setup is not None:
-                connection.exec_driver_sql(self._session_setup)
-                connection.commit()
-        except BaseException:
-            connection.close()
-            raise
-        self._connection = connection
-        return connection
-
-    def _disconnect(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is not None:
-            with contextlib.suppress(Exception):
-                connection.close()
-
-    def _commit_batch(self, prepared: Prepared) -> None:
-        reused = self._connection is not None
-        try:
-            self._write_once(prepared)
-        except sa.exc.DBAPIError as error:
-            if not (reused and error.connection_invalidated):
-                raise
-            # The held connection was closed while it was idle (a database restart, an idle timeout): once more on a
-            # fresh one before this counts as a fault.
-            self._disconnect()
-            self._write_once(prepared)
-
-    def _write_once(self, prepared: Prepared) -> None:
-        connection = self._connect()
-        with connection.begin():
-            self._execute(connection, prepared)
-
-    def _commit(self, prepared: Prepared, total: int) -> _Outcome:
-        dead = list(prepared.dead)
-        try:
-            self._commit_batch(prepared)
-        except Exception as error:
-            if is_transient(error):
-                self._disconnect()
-                raise
-            log.warning("capture batch failed (%s); retrying it row by row", describe_error(error))
-            try:
-                dead.extend(self._commit_row_by_row(prepared))
-            except Exception as row_error:
-                if is_transient(row_error):
-                    self._disconnect()
-                    raise
-                # Not one row's fault (say, a failure at COMMIT): the whole batch is rejected, on record.
-                reason = describe_error(row_error)
-                dead.extend((record, reason) for _, record in [*prepared.calls, *prepared.rewards])
-                dead.extend(
-                    (source, reason)
-                    for _, sources in prepared.rollouts.values()
-                    for source in sources
-                    if isinstance(source, RolloutRecord)
-                )
-        self._dead_letter(dead)
-        return _Outcome(written=total - len(dead), dead=dead)
-
-    def _execute(self, connection: sa.Connection, prepared: Prepared) -> None:
-        statements = self._statements
-        if prepared.rollouts:
-            connection.execute(statements.rollouts, [row for row, _ in prepared.rollouts.values()])
-        if prepared.calls:
-            connection.execute(statements.calls, [row for row, _ in prepared.calls])
-            links = [next_state_link(row) for row, _ in prepared.calls if row["parent_call_id"] is not None]
-            if links:
-                connection.execute(statements.next_state, links)
-        if prepared.responses:
-            connection.execute(statements.responses, [row for row, _ in prepared.responses])
-        if prepared.rewards:
-            connection.execute(statements.rewards, [row for row, _ in prepared.rewards])
-
-    def _commit_row_by_row(self, prepared: Prepared) -> list[tuple[Record, str]]:
-        statements = self._statements
-        # A rollout row merges several records; only the RolloutRecords among them are dead-lettered with it.
-        # A call that merely carried the rollout fails on its own foreign key and is dead-lettered with it.
-        rows: list[tuple[list[tuple[Any, dict[str, Any]]], list[Record]]] = []
-        for row, sources in prepared.rollouts.values():
-            standalone: list[Record] = [s for s in sources if isinstance(s, RolloutRecord)]
-            rows.append(([(statements.rollouts, row)], standalone))
-        for row, record in prepared.calls:
-            steps = [(statements.calls, row)]
-            if row["parent_call_id"] is not None:
-                steps.append((statements.next_state, next_state_link(row)))
-            steps += [(statements.responses, r) for r, source in prepared.responses if source is record]
-            rows.append((steps, [record]))
-        rows.extend(([(statements.rewards, row)], [record]) for row, record in prepared.rewards)
-        dead: list[tuple[Record, str]] = []
-        connection = self._connect()
-        with connection.begin():
-            for steps, sources in rows:
-                row = steps[0][1]
-                try:
-                    with connection.begin_nested():
-                        for statement, values in steps:
-                            connection.execute(statement, [values])
-                except Exception as error:
-                    if is_transient(error):
-                        raise
-                    reason = describe_error(error)
-                    dead.extend((source, reason) for source in sources)
-                    if not sources:
-                        log.error("capture rollout row %s failed: %s", row.get("id"), reason)
-        return dead
-
-    def _dead_letter(self, dead: list[tuple[Record, str]]) -> None:
-        spool.dead_letter(self._spool_dir, dead)
 
     def _spool(self, records: list[Record]) -> Path | None:
         return spool.spool(self._spool_dir, records)

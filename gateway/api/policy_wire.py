@@ -1,0 +1,15 @@
+"""Request models of the policy-control API (``/v1/policy``): pin, roll back, promote, reject."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from gateway.protocols.common.wire import TolerantModel
+
+
+class VersionChoice(TolerantModel):
+    version: int = Field(ge=0, description="a published policy version (policy@vN)")
+
+
+class OptionalVersion(TolerantModel):
+    version: int | None = Field(default=None, ge=0, description="a candidate's version (default: the undecided one)")

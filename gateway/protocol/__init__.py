@@ -1,1 +1,0 @@
-"""Wire models of the public APIs (pydantic), one module per protocol."""

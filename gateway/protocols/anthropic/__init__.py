@@ -1,0 +1,1 @@
+"""Anthropic's Messages API: routes, wire models and serving side by side."""

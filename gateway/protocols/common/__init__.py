@@ -1,0 +1,1 @@
+"""What the protocols share: error body, serving shells, choices, stream blocks, route registration."""

@@ -1,0 +1,1 @@
+"""OpenAI's Responses API: routes, wire models and serving side by side."""
