@@ -5,6 +5,7 @@ are accepted."""
 from __future__ import annotations
 
 import logging
+import time
 
 import httpx
 import pytest
@@ -78,10 +79,15 @@ def test_wandb_logs_each_step_offline(tmp_path, monkeypatch):
     metrics.step(result(2, 0.25))
     metrics.close()
     # The offline run file holds wandb's protobuf records (no reader ships with wandb): the logged keys and values
-    # are in it as JSON text.
+    # are in it as JSON text. wandb's service process writes the file and closes it after finish() has returned
+    # (on a loaded machine the test once read only its 7-byte header), so the check waits for it a while.
     [run] = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    wanted = (b"train/loss", b"0.25", b"train/tokens_per_second")
+    deadline = time.monotonic() + 60
+    while not all(w in run.read_bytes() for w in wanted) and time.monotonic() < deadline:
+        time.sleep(0.2)
     data = run.read_bytes()
-    assert b"train/loss" in data and b"0.25" in data and b"train/tokens_per_second" in data
+    assert all(w in data for w in wanted), data[:200]
 
 
 @pytest.mark.parametrize(("value", "ok"), [("tensorboard", True), ("wandb, tensorboard", True), ("tb", False)])
