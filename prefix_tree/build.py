@@ -9,6 +9,16 @@ every other position is context the harness inserted (system prompt, user turns,
 kept calls generated the same position (identical retries) the latest call's logprob is kept and the token is
 counted once.
 
+A call sampled under a grammar (``CallView.constrained``: structured output, a forced tool call) recorded the
+logprobs of the *masked* distribution, while the trainer recomputes unmasked ones: their ratio would be a
+spurious importance weight, not a policy change. So a constrained call's completion is context — never
+trainable, NaN logprobs, version -1 — and ``TreeReport.constrained_tokens`` counts those positions. The "latest
+call wins" rule holds for it too: where a constrained and an unconstrained kept call generated the same position
+(identical retries), the later one decides, so a later constrained retry turns the position into context and a
+later unconstrained one makes it trainable with its own logprob. Such a position is counted once, as
+constrained or as trainable, never in ``dead_leaf_tokens``; nor are the positions of a constrained dead leaf,
+which would not have been trainable anyway.
+
 Filtering (retries' dead leaves, compaction branches, sub-agents, abnormal branching) follows the rules in
 ``filters.py``; every decision is recorded per call and summed in ``TreeReport``. Building is linear in the
 tokens of the calls: each call walks its path once, comparing whole edges with numpy, and splits nodes only at
@@ -306,28 +316,36 @@ def _mark_filtered(node: TreeNode | None, fate: str) -> None:
 
 
 def _attach_logprobs(e: _Entry) -> None:
-    """Mark a kept call's completion positions trainable with its logprobs and policy version."""
+    """Mark a kept call's completion positions trainable with its logprobs and policy version.
+
+    A constrained call's positions become context instead (overwriting an earlier generator's marks: the latest
+    call wins either way).
+    """
     logprobs = np.asarray(e.call.completion_logprobs, dtype=np.float64).reshape(-1)
     version = -1 if e.call.policy_version is None else e.call.policy_version
+    constrained = e.call.constrained
     node: TreeNode | None = e.end_node
     # The prompt end is a node boundary, so the completion covers whole nodes.
     while node is not None and node.depth >= e.prompt_len and node.end > e.prompt_len:
         lo = node.depth - e.prompt_len
-        node.trainable[:] = True
-        node.logprobs[:] = logprobs[lo : lo + len(node.tokens)]
-        node.versions[:] = version
-        node.generator = e.call.id
+        node.trainable[:] = not constrained
+        node.logprobs[:] = np.nan if constrained else logprobs[lo : lo + len(node.tokens)]
+        node.versions[:] = -1 if constrained else version
+        node.generator = None if constrained else e.call.id
+        node.constrained = constrained
         node = node.parent
 
 
 def _dead_leaf_tokens(dead: list[_Entry]) -> int:
     seen: dict[int, TreeNode] = {}
     for e in dead:
+        if e.call.constrained:
+            continue  # never trainable: nothing lost by dropping it
         node: TreeNode | None = e.end_node
         while node is not None and node.depth >= e.prompt_len and node.end > e.prompt_len:
             seen[id(node)] = node
             node = node.parent
-    return sum(int((~n.trainable).sum()) for n in seen.values())
+    return sum(int((~n.trainable).sum()) for n in seen.values() if not n.constrained)
 
 
 def _figures(report: TreeReport, nodes: list[TreeNode], kept: list[_Entry], config: TreeConfig) -> None:
@@ -339,6 +357,7 @@ def _figures(report: TreeReport, nodes: list[TreeNode], kept: list[_Entry], conf
             continue
         report.tree_tokens += len(node.tokens)
         report.trainable_tokens += int(node.trainable.sum())
+        report.constrained_tokens += len(node.tokens) if node.constrained else 0
         kept_children = sum(c.kept for c in node.children.values())
         report.branch_points += kept_children > 1
         if kept_children == 0 and node.end > 0:

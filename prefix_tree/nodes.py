@@ -31,6 +31,8 @@ class CallView:
     is_subagent: bool = False
     agent_id: str | None = None
     finish_reason: str | None = None
+    # Sampled under a grammar: the logprobs are the masked distribution's, so the completion is context.
+    constrained: bool = False
 
 
 class TreeNode:
@@ -44,6 +46,7 @@ class TreeNode:
     __slots__ = (
         "calls_ending",
         "children",
+        "constrained",
         "depth",
         "filtered",
         "generator",
@@ -78,6 +81,8 @@ class TreeNode:
         # The kept call whose completion holds this node's trainable tokens (the latest, when several generated
         # the same positions); None on context. Call boundaries are node boundaries, so one call per node.
         self.generator: str | None = None
+        # The latest kept call that generated this node's tokens was constrained: they stay context (see build.py).
+        self.constrained = False
 
     @property
     def end(self) -> int:
@@ -163,6 +168,7 @@ class TreeReport:
     tree_tokens_all: int = 0  # including filtered branches
     naive_tokens: int = 0  # prompt + completion summed over kept calls: a per-call dataset
     trainable_tokens: int = 0  # trainable positions in the kept tree
+    constrained_tokens: int = 0  # generated positions left untrained because their call was constrained
     dropped_reason: str | None = None
 
     @property

@@ -74,6 +74,7 @@ class RolloutTree:
                 "depth": n.depth,
                 "tokens": len(n.tokens),
                 "trainable": int(n.trainable.sum()),
+                "constrained": n.constrained,
                 "kept": n.kept,
                 "filtered": n.filtered,
                 "children": [c.id for c in n.children.values()],
@@ -119,7 +120,7 @@ class RolloutTree:
         n = len(node.tokens)
         train = int(node.trainable.sum())
         text = f"@{node.depth:,} +{n:,} tok"
-        text += f" ({train:,} trainable)" if train else " (context)"
+        text += f" ({train:,} trainable)" if train else " (constrained)" if node.constrained else " (context)"
         if node.prompts_ending:
             text += "  prompt of " + ", ".join(node.prompts_ending)
         if node.calls_ending:
@@ -170,6 +171,8 @@ def _summary_line(r: TreeReport) -> str:
         f"tokens: {r.tree_tokens:,} in tree vs {r.naive_tokens:,} per call ({saving} saving), "
         f"{r.trainable_tokens:,} trainable"
     )
+    if r.constrained_tokens:
+        head += f", {r.constrained_tokens:,} constrained (context)"
     if r.dropped_reason:
         head += f"\nDROPPED: {r.dropped_reason}"
     return head

@@ -55,6 +55,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "gateway.core": (
         "gateway.core",
         "gateway.engines.base",
+        "gateway.engines.grammar",  # a structured output's grammar is checked before any engine work
         "gateway.errors",
         "gateway.ids",
         "gateway.bounded",

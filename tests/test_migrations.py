@@ -151,3 +151,48 @@ def test_each_revision_steps_up_and_down(sqlite_url_bare: str) -> None:
 @pytest.fixture
 def sqlite_url_bare(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'steps.db'}"
+
+
+def _call_columns(url: str) -> set[str]:
+    engine = db.connect(url)
+    try:
+        return {c["name"] for c in sa.inspect(engine).get_columns("calls")}
+    finally:
+        engine.dispose()
+
+
+def test_0009_marks_existing_calls_unconstrained_and_downgrades(sqlite_url_bare: str) -> None:
+    """A call stored before 0009 reads as sampled without a grammar; the downgrade removes the column again."""
+    url = sqlite_url_bare
+    db.upgrade(url, "0008")
+    assert "constrained" not in _call_columns(url)
+    engine = db.connect(url)
+    try:
+        with engine.begin() as connection:
+            connection.exec_driver_sql(
+                "INSERT INTO rollouts (id, kind, created_at, updated_at) VALUES"
+                " ('r', 'implicit', '2025-01-01', '2025-01-01')"
+            )
+            connection.exec_driver_sql(
+                "INSERT INTO calls (id, request_id, choice_index, rollout_id, api, model, engine, status,"
+                " render_mode, request, prompt_delta, prompt_len, completion_ids, completion_logprobs,"
+                " completion_len, started_at, ended_at) VALUES ('old', 'r', 0, 'r', 'chat', 'm', 'local',"
+                " 'ok', 'fresh', x'', x'', 0, x'', x'', 0, '2025-01-01', '2025-01-01')"
+            )
+    finally:
+        engine.dispose()
+    db.upgrade(url, "0009")
+    engine = db.connect(url)
+    try:
+        with engine.connect() as connection:
+            assert connection.exec_driver_sql("SELECT constrained FROM calls WHERE id = 'old'").scalar() == 0
+    finally:
+        engine.dispose()
+    db.downgrade(url, "0008")
+    assert "constrained" not in _call_columns(url) and db.current_revision(url) == "0008"
+    engine = db.connect(url)
+    try:
+        with engine.connect() as connection:
+            assert connection.exec_driver_sql("SELECT id FROM calls").scalars().all() == ["old"]
+    finally:
+        engine.dispose()

@@ -7,6 +7,7 @@ locked"); on Postgres the writer's database does not exist yet, then exists with
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -21,7 +22,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from gateway.store import codec, db, repo
+from gateway.store import codec, db, repo, rollout_lifecycle, training_data
 from gateway.store.errors import CAPTURE_RETRY_AFTER_S, CaptureFull
 from gateway.store.models import Call, Reward, Rollout
 from gateway.store.records import (
@@ -429,6 +430,31 @@ async def test_a_call_replayed_after_an_in_doubt_commit_is_stored_once(writer: C
     assert writer.stats.dead_lettered == 0
 
 
+async def test_constrained_flag_round_trips_to_the_tree(writer: CallWriter, engine: sa.Engine) -> None:
+    # A free-form call, then a structured-output follow-up sampled under a grammar (masked logprobs).
+    free = make_call("free", "r1", seq=0, delta=[1, 2, 3], completion=[7, 8])
+    forced = dataclasses.replace(
+        make_call("forced", "r1", seq=1, parent="free", prefix_len=5, delta=[4], completion=[9, 10, 11]),
+        constrained=True,
+    )
+    writer.submit(free)
+    writer.submit(forced)
+    await writer.flush()
+    assert writer.stats.dead_lettered == 0
+
+    with Session(engine) as session:
+        views = {v.id: v for v in training_data.call_views(session, "r1")}
+        assert views["forced"].constrained is True and views["free"].constrained is False
+        stored = session.get(Call, "free")
+        assert stored is not None and stored.constrained is False
+    loaded = training_data.load_rollout(engine, "r1")
+    assert loaded is not None
+    report = loaded.tree.report
+    assert report.trainable_tokens == 2 and report.constrained_tokens == 3
+    calls = {c["id"]: c for c in rollout_lifecycle.detail(engine, "r1", with_tokens=False)["calls"]}
+    assert calls["forced"]["constrained"] is True and calls["free"]["constrained"] is False
+
+
 def _trie_size(sequences: list[list[int]]) -> int:
     """Number of distinct prefixes: the unique tokens of a set of token sequences."""
     return len({tuple(sequence[: i + 1]) for sequence in sequences for i in range(len(sequence))})
@@ -582,5 +608,10 @@ def test_records_round_trip_through_json() -> None:
     data = json.loads(json.dumps(record_to_json(record)))
     back = record_from_json(data)
     assert back == record and isinstance(back, CallRecord) and back.started_at.tzinfo is not None
+    constrained = dataclasses.replace(record, constrained=True)
+    assert record_from_json(json.loads(json.dumps(record_to_json(constrained)))) == constrained
+    # A spool file written before the flag existed replays as an unconstrained call.
+    old = {k: v for k, v in json.loads(json.dumps(record_to_json(constrained))).items() if k != "constrained"}
+    assert record_from_json(old) == record
     reward = RewardRecord(rollout_id="r1", value=-1.0, details={"a": [1, 2]})
     assert record_from_json(json.loads(json.dumps(record_to_json(reward)))) == reward

@@ -129,16 +129,18 @@ def test_constraints_that_cannot_be_honoured_are_refused(gw_engine):
     cases = [
         ("/chat/completions", {"model": "tiny", "messages": USER, "tool_choice": "required"}, "tool_choice"),
         ("/responses", {"model": "tiny", "input": "hi", "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
-        # Structured output needs constrained decoding: refused, never answered as free text.
-        (
-            "/chat/completions",
-            {"model": "tiny", "messages": USER, "response_format": {"type": "json_object"}},
-            "response_format",
-        ),
+        # Output formats no grammar stands for, or a JSON schema format without its schema: refused, never answered
+        # as free text.
+        ("/chat/completions", {"model": "tiny", "messages": USER, "response_format": {"type": "xml"}}, "response_"),
         ("/responses", {"model": "tiny", "input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format"),
         (
             "/messages",
             {"model": "tiny", "messages": USER, "max_tokens": 8, "output_config": {"format": {"type": "json_schema"}}},
+            "output_config.format",
+        ),
+        (
+            "/messages",
+            {"model": "tiny", "messages": USER, "max_tokens": 8, "output_config": {"format": {"type": "json_object"}}},
             "output_config.format",
         ),
     ]

@@ -9,6 +9,7 @@ decisions. Hand-written cases pin each rule and the token-saving figure.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -51,6 +52,8 @@ class Reference:
     naive_tokens: int = 0
     dead_leaves: int = 0
     dead_leaf_tokens: int = 0
+    # (group, prefix ending with a generated token) whose latest kept generator was constrained
+    constrained: set[tuple[str, Prefix]] = field(default_factory=set)
     compaction_calls: int = 0
     compaction_branches: int = 0
     dropped: bool = False
@@ -154,11 +157,19 @@ def reference(calls: list[CallView], config: TreeConfig) -> Reference:
         version = -1 if c.call.policy_version is None else c.call.policy_version
         for j in range(len(c.call.completion_ids)):
             key = (c.group, c.seq[: len(c.prompt) + j + 1])
-            ref.trainable[key] = (float(c.call.completion_logprobs[j]), version)
+            if c.call.constrained:  # context; the latest generator decides
+                ref.trainable.pop(key, None)
+                ref.constrained.add(key)
+            else:
+                ref.trainable[key] = (float(c.call.completion_logprobs[j]), version)
+                ref.constrained.discard(key)
     dead_positions = {
-        (c.group, c.seq[: len(c.prompt) + j + 1]) for c in dead_dropped for j in range(len(c.call.completion_ids))
+        (c.group, c.seq[: len(c.prompt) + j + 1])
+        for c in dead_dropped
+        if not c.call.constrained
+        for j in range(len(c.call.completion_ids))
     }
-    ref.dead_leaf_tokens = len(dead_positions - set(ref.trainable))
+    ref.dead_leaf_tokens = len(dead_positions - set(ref.trainable) - ref.constrained)
     ends = {(c.group, c.seq) for c in kept if c.seq}
     ref.leaves = {
         (g, s) for g, s in ends if not any(g2 == g and len(s2) > len(s) and s2[: len(s)] == s for g2, s2 in ends)
@@ -226,6 +237,11 @@ def random_calls(rng: np.random.Generator) -> list[CallView]:
         )
     order = rng.permutation(len(calls))
     return [calls[i] for i in order]
+
+
+def with_constrained(calls: list[CallView], rng: np.random.Generator) -> list[CallView]:
+    """The same rollout with some calls sampled under a grammar (a separate generator: the rollouts stay as seeded)."""
+    return [dataclasses.replace(c, constrained=bool(rng.random() < 0.35)) for c in calls]
 
 
 def random_config(rng: np.random.Generator) -> TreeConfig:
@@ -309,6 +325,13 @@ def assert_matches_reference(calls: list[CallView], config: TreeConfig) -> Rollo
                 assert not node.trainable[j], key
                 assert math.isnan(node.logprobs[j]) and node.versions[j] == -1
     assert seen_trainable == len(ref.trainable) == report.trainable_tokens
+    constrained = {
+        (node.trajectory, node_prefix(tree, node.id)[: node.depth + j + 1])
+        for node in tree.nodes
+        if node.kept and node.constrained
+        for j in range(len(node.tokens))
+    }
+    assert constrained == ref.constrained and report.constrained_tokens == len(ref.constrained)
     assert report.dead_leaf_tokens == ref.dead_leaf_tokens
     assert report.naive_tokens == ref.naive_tokens
     assert report.leaves == len(ref.leaves)
@@ -340,6 +363,10 @@ def test_random_rollouts_match_reference(seed: int) -> None:
     calls = random_calls(rng)
     assert_matches_reference(calls, random_config(rng))
     assert_matches_reference(calls, TreeConfig())
+    # With constrained calls: their completions are context unless a later kept call generated them again.
+    constrained = with_constrained(calls, np.random.default_rng(10_000 + seed))
+    assert_matches_reference(constrained, random_config(rng))
+    assert_matches_reference(constrained, TreeConfig())
 
 
 def test_random_rollouts_cover_every_rule() -> None:
@@ -356,11 +383,27 @@ def test_random_rollouts_cover_every_rule() -> None:
         seen["empty_completion"] = seen.get("empty_completion", 0) + sum(not len(c.completion_ids) for c in calls)
         seen["dropped"] = seen.get("dropped", 0) + build_tree(calls, TreeConfig(max_leaves=2)).dropped
         seen["branching"] = seen.get("branching", 0) + (tree.report.branch_points > 0)
+        mixed = with_constrained(calls, np.random.default_rng(10_000 + seed))
+        seen["constrained"] = seen.get("constrained", 0) + (build_tree(mixed).report.constrained_tokens > 0)
+        seen["constrained_overlap"] = seen.get("constrained_overlap", 0) + _constrained_overlap(mixed)
     for what in [
         "kept", "dead_leaf", "compaction", "failed", "cancelled", "root", "continuation", "retry", "new_root",
-        "empty_completion", "dropped", "branching",
+        "empty_completion", "dropped", "branching", "constrained", "constrained_overlap",
     ]:  # fmt: skip
         assert seen.get(what, 0) >= 10, (what, seen)
+
+
+def _constrained_overlap(calls: list[CallView]) -> bool:
+    """Whether a constrained and an unconstrained kept call generated the same position (latest wins)."""
+    tree = build_tree(calls)
+    generated: dict[bool, set[tuple[str | None, Prefix]]] = {False: set(), True: set()}
+    for c in calls:
+        rec = tree.calls[c.id]
+        if rec.fate == "kept":
+            seq = tuple(int(t) for t in [*c.prompt_ids, *c.completion_ids])
+            n = len(c.prompt_ids)
+            generated[c.constrained].update((rec.trajectory, seq[: n + j + 1]) for j in range(len(c.completion_ids)))
+    return bool(generated[False] & generated[True])
 
 
 # ---------------------------------------------------------------------------------------------- hand-written cases
@@ -433,6 +476,58 @@ def test_identical_retries_count_a_token_once_with_the_later_logprob() -> None:
     np.testing.assert_array_equal(path.logprobs[5:7], b.completion_logprobs)
     assert path.versions[5:7].tolist() == [2, 2]
     assert tree.report.naive_tokens == 7 + 7 + 9 and tree.report.tree_tokens == 9
+
+
+def test_constrained_completion_is_context_and_counted() -> None:
+    free = call("c1", [*SYSTEM, 1], [10, 11], 1, version=3)
+    # A structured-output follow-up: its logprobs are the grammar-masked distribution's.
+    forced = call("c2", [*SYSTEM, 1, 10, 11, 2], [20, 21, 22], 2, version=3, constrained=True)
+    tree = build_tree([free, forced])
+    assert {cid: r.fate for cid, r in tree.calls.items()} == {"c1": "kept", "c2": "kept"}
+    (path,) = tree.paths()
+    assert path.tokens.tolist() == [*SYSTEM, 1, 10, 11, 2, 20, 21, 22]
+    assert path.trainable.tolist() == [False] * 5 + [True, True] + [False] * 4
+    np.testing.assert_array_equal(path.logprobs[5:7], free.completion_logprobs)
+    assert np.isnan(path.logprobs[8:]).all() and path.versions[8:].tolist() == [-1, -1, -1]
+    assert tree.report.trainable_tokens == 2
+    assert tree.report.constrained_tokens == len(forced.completion_ids) == 3
+    forced_end = end_node(tree, "c2")
+    assert forced_end.constrained and forced_end.generator is None and forced_end.kept
+    assert "3 constrained (context)" in tree.render_text() and "(constrained)" in tree.render_text()
+    assert tree.to_json()["report"]["constrained_tokens"] == 3
+
+    unconstrained = build_tree([free, dataclasses.replace(forced, constrained=False)])
+    assert unconstrained.report.trainable_tokens == 5 and unconstrained.report.constrained_tokens == 0
+    assert "constrained" not in unconstrained.render_text()
+
+
+def test_identical_retries_mixing_constrained_calls_follow_the_latest() -> None:
+    free = call("a1", [*SYSTEM, 1], [10, 11], 1, version=1)
+    forced = call("b2", [*SYSTEM, 1], [10, 11], 2, version=2, constrained=True)  # same tokens, under a grammar
+    cont = call("c3", [*SYSTEM, 1, 10, 11, 5], [12], 3, version=2)
+    # The constrained retry is the later generator: the shared positions become context.
+    tree = build_tree([free, forced, cont])
+    assert {cid: r.fate for cid, r in tree.calls.items()} == dict.fromkeys(("a1", "b2", "c3"), "kept")
+    (path,) = tree.paths()
+    assert path.trainable.tolist() == [False] * 7 + [False, True]
+    assert tree.report.trainable_tokens == 1 and tree.report.constrained_tokens == 2
+    # The other way round, the later unconstrained sample makes them trainable with its own logprobs.
+    free_later = dataclasses.replace(free, started_at=2.5)
+    tree = build_tree([free_later, forced, cont])
+    (path,) = tree.paths()
+    assert path.trainable.tolist() == [False] * 5 + [True, True, False, True]
+    np.testing.assert_array_equal(path.logprobs[5:7], free.completion_logprobs)
+    assert tree.report.trainable_tokens == 3 and tree.report.constrained_tokens == 0
+
+
+def test_constrained_dead_leaf_loses_no_trainable_tokens() -> None:
+    first = call("c1", [*SYSTEM, 1], [10, 11, 12], 1)
+    retry = call("c2", [*SYSTEM, 1], [10, 13], 2, constrained=True)
+    cont = call("c3", [*SYSTEM, 1, 10, 11, 12, 2], [14], 3)
+    tree = build_tree([first, retry, cont])
+    assert tree.calls["c2"].fate == "dead_leaf"
+    assert tree.report.dead_leaf_tokens == 0 and tree.report.constrained_tokens == 0
+    assert tree.report.trainable_tokens == 4
 
 
 def test_retry_whose_sibling_was_continued_is_a_dead_leaf() -> None:

@@ -50,6 +50,28 @@ class ToolUse:
         return cls(parse=choice != "none", force=forced, name=name, single=parallel is False)
 
 
+@dataclass(slots=True, frozen=True)
+class JsonOutput:
+    """The answer must be one JSON value matching ``schema`` (None: any JSON object): a structured output format."""
+
+    schema: dict[str, Any] | None = None
+
+    @classmethod
+    def of(cls, fmt: dict[str, Any], schema: Any, name: str) -> JsonOutput | None:
+        """A protocol's output format (``fmt``'s type: text, json_object or json_schema, whose ``schema`` each
+        protocol keeps in its own place) as a JsonOutput (None: plain text); ValueError naming ``name`` else."""
+        kind = fmt.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls()
+        if kind != "json_schema":
+            raise ValueError(f"{name} of type {kind!r} is not supported: use 'text', 'json_object' or 'json_schema'")
+        if not isinstance(schema, dict):
+            raise ValueError(f"{name} json_schema needs a schema that is a JSON schema object")
+        return cls(schema or None)
+
+
 @dataclass(slots=True)
 class ResponseCapture:
     """A Responses-API answer to store with its call, so any gateway process can continue it later.
@@ -93,6 +115,8 @@ class ChatJob:
     prompt_ids: list[int] | None = None
     # Responses API: the answer to store for ``previous_response_id``, committed with the call.
     response: ResponseCapture | None = None
+    # A JSON output format (response_format, text.format): the answer is decoded under its grammar.
+    json_output: JsonOutput | None = None
 
 
 @dataclass(slots=True)

@@ -83,6 +83,7 @@ def call_record(call: PlannedCall, index: int, engine: str, got: Generated, outc
         prompt_delta=call.prompt_ids[prefix_len:],
         completion_ids=got.ids,
         completion_logprobs=got.logprobs,
+        constrained=call.params.constraint is not None,
         tail_hash=hashes[0] if hashes else None,
         output_hash=hashes[1] if hashes else None,
         response=outcome.response if outcome.status == "ok" else None,

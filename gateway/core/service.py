@@ -37,6 +37,7 @@ from gateway.core.pipeline import TextPipeline
 from gateway.core.record import Generated, Outcome, call_record, rule_reward
 from gateway.core.render import Renderer
 from gateway.core.sessions import CallEntry, PromptPlan, SessionIndex, entry_ids, plan_prompt
+from gateway.core.structured import Structured
 from gateway.core.tokens import Alternatives, prompt_ids, token_texts
 from gateway.core.tool_choice import ToolChoice
 from gateway.engines.base import Engine, GenerationEnd, GenerationRequest
@@ -123,6 +124,7 @@ class ChatService:
         self.max_tokens_cap = max_tokens_cap
         self.parser_cls = get_parser(parser)
         self.tool_choice = ToolChoice(self.parser_cls, tokenizer)
+        self.structured = Structured(self.parser_cls, tokenizer)
         # Which version serves a call (gateway/promotion/routing.py): the incumbent, and a canary's candidate.
         self.routing = Routing(Arm(adapter, policy_version))
         # Calls running per adapter: a version is unloaded only once none of this gateway's calls use it.
@@ -195,6 +197,10 @@ class ChatService:
             self.metrics.drift.inc()
             log.warning("prompt drift: could not splice an earlier answer (rollout=%s)", scope)
         forced_text, params = self.tool_choice.apply(job)
+        constraint = self.structured.constraint(job, forced_text)
+        if constraint is not None:
+            await self.structured.check(constraint, "tool_choice" if forced_text else "response_format")
+            params = replace(params, constraint=constraint)
         if forced_text:
             # The opening of a tool call goes at the end of the prompt: the model continues inside the call. These
             # tokens were not sampled, so they belong to the prompt (never trained on); a later turn that echoes
@@ -345,10 +351,12 @@ class ChatService:
             return PlainText()
         # A template whose generation prompt opens a <think> block (Qwen3 thinking) starts us in reasoning.
         prompt_tail = str(self.tokenizer.decode(prep.prompt_ids[-4:]))
-        return self.parser_cls(
+        parser = self.parser_cls(
             tools_requested=job.tool_use.parse and bool(job.tools),
             reasoning_started=self.parser_cls.starts_in_reasoning(prompt_tail),
         )
+        parser.partial_calls = prep.params.constraint is not None
+        return parser
 
     def _running(self, adapter: str | None, step: int) -> None:
         """Count a call in (``+1``) or out (``-1``): in flight, and per adapter (see ``adapter_in_flight``)."""

@@ -21,6 +21,16 @@ FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass(frozen=True, slots=True)
+class Constraint:
+    """What every sampled token must keep possible: a grammar in llguidance's Lark dialect (JSON parts as
+    ``%json`` schemas; see gateway/core/structured.py). Tokens are sampled from the model's distribution masked to
+    the tokens the grammar allows, and the recorded logprob is that masked distribution's."""
+
+    kind: Literal["json", "tool_call"]
+    grammar: str
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int
     temperature: float = 1.0
@@ -30,6 +40,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings; the engine stops after the token that completes one
     stop_token_ids: tuple[int, ...] = ()  # extra ids that end generation (besides the model's EOS ids)
     top_logprobs: int = 0  # alternatives per position to report (0: only the sampled token's logprob)
+    constraint: Constraint | None = None  # structured output: the grammar the answer must match
 
 
 @dataclass(frozen=True, slots=True)

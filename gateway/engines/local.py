@@ -41,6 +41,7 @@ import torch
 from gateway.end_of_turn import end_token_ids
 from gateway.engines.adapters import AdapterCommand, AdapterNames, CommandKind
 from gateway.engines.base import GenerationEnd, GenerationEvent, GenerationRequest, answer_once
+from gateway.engines.grammar import Grammars
 from gateway.engines.local_worker import SHUTDOWN, LocalSequence, LocalWorker
 from gateway.engines.sampling import validate_params
 from gateway.errors import APIError, BadRequest, ContextTooLong, EngineUnavailable, NotFound
@@ -81,6 +82,7 @@ class LocalEngine:
         self.max_model_len = max_model_len or 0
         self.eos_token_ids: frozenset[int] = frozenset()
         self.vocab_size = 0
+        self.grammars: Grammars | None = None  # structured outputs: built with the tokenizer
 
         self._model: Any = None
         self._tokenizer: Any = None
@@ -113,6 +115,7 @@ class LocalEngine:
             uses_logits_to_keep=self._uses_logits_to_keep,
             inbox=self._inbox,
             stats=self._stats,
+            grammars=self.grammars,
         )
         self._thread = threading.Thread(target=self._worker.run, name="clawgate-local-engine", daemon=True)
         self._thread.start()
@@ -156,6 +159,7 @@ class LocalEngine:
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.eos_token_ids = end_token_ids(tokenizer, model.generation_config.eos_token_id)
         self._uses_logits_to_keep = "logits_to_keep" in _forward_parameters(model)
+        self.grammars = Grammars(tokenizer, vocab_size=self.vocab_size, eos_ids=self.eos_token_ids)
         self._model, self._tokenizer = model, tokenizer
         logger.info(
             "local engine loaded %s (%s, max_model_len %d, eos %s)",
@@ -168,7 +172,12 @@ class LocalEngine:
     # ---- requests --------------------------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationEvent, None]:
+        matcher = None
+        if request.params.constraint is not None and self.grammars is not None:
+            # Compiled off the event loop and off the worker (a cache hit is a copy).
+            matcher = await asyncio.to_thread(self.grammars.matcher, request.params.constraint.grammar)
         seq = self._submit(request)
+        seq.matcher = matcher
         try:
             while True:
                 event = await seq.events.get()

@@ -23,7 +23,8 @@ from gateway.core.stops import StopTrimmer
 from gateway.engines import kv_batch
 from gateway.engines.adapters import AdapterCommand, ModelAdapters, resolve
 from gateway.engines.base import FinishReason, GenerationEnd, GenerationEvent, GenerationRequest, TokenDelta
-from gateway.engines.sampling import sample_token
+from gateway.engines.grammar import Grammars, consume
+from gateway.engines.sampling import mask_logits, sample_token
 from gateway.errors import APIError, EngineError, EngineUnavailable, NotFound
 
 logger = logging.getLogger("gateway.engines.local")
@@ -55,6 +56,7 @@ class LocalSequence:
     cached: int = 0  # tokens of this row in the KV cache
     done: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+    matcher: Any = None  # structured output: the grammar's matcher (llguidance), advanced past every sampled token
 
     @property
     def adapter(self) -> str | None:
@@ -76,8 +78,10 @@ class LocalWorker:
         uses_logits_to_keep: bool,
         inbox: queue.SimpleQueue[object],
         stats: dict[str, int],
+        grammars: Grammars | None = None,
     ) -> None:
         self._model = model
+        self._grammars = grammars
         self._tokenizer = tokenizer
         self.device = device
         self.max_batch = max_batch
@@ -268,7 +272,13 @@ class LocalWorker:
     def _emit(self, seq: LocalSequence, logits: torch.Tensor) -> None:
         """Sample the next token of ``seq``, send it, and finish the sequence if it stops here."""
         params = seq.request.params
+        if seq.matcher is not None:
+            assert self._grammars is not None
+            # Sampled from the distribution masked to what the grammar allows: the logprob recorded is that one's.
+            mask_logits(self._grammars.allowed(seq.matcher), logits)
         token, logprob, top = sample_token(logits, params, seq.generator)
+        if seq.matcher is not None:
+            consume(seq.matcher, token)
         seq.generated += 1
         seq.next_token = token
         self._stats["generated_tokens"] += 1

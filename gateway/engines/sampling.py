@@ -9,6 +9,7 @@ logprob must come from exactly the distribution the token was drawn from. A step
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from gateway.engines.base import SamplingParams
@@ -48,6 +49,14 @@ def sample_token(
         values, ids = torch.topk(logprobs, min(params.top_logprobs, logprobs.numel()))
         top = {int(i): float(v) for v, i in zip(values.tolist(), ids.tolist(), strict=True) if v > float("-inf")}
     return token, float(logprobs[token]), top
+
+
+def mask_logits(allowed: np.ndarray, logits: torch.Tensor) -> None:
+    """Set the logits of every token not ``allowed`` (a bool array over the vocabulary, from a grammar) to -inf."""
+    mask = torch.from_numpy(allowed)
+    width = min(len(mask), logits.shape[-1])
+    logits[..., :width].masked_fill_(~mask[:width], float("-inf"))
+    logits[..., width:] = float("-inf")
 
 
 def validate_params(params: SamplingParams) -> None:

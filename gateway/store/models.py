@@ -125,6 +125,8 @@ class Call(Base):
     render_mode: Mapped[str] = mapped_column(sa.String)  # "fresh" | "spliced" | "drifted" | "raw"
     is_subagent: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default=sa.false())
     agent_id: Mapped[str | None] = mapped_column(sa.String)
+    # Sampled under a grammar: the completion's logprobs are the masked distribution's (context, never trained on).
+    constrained: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default=sa.false())
 
     # zlib JSON of the request body, its message list cut to the messages after request_prefix_messages.
     request: Mapped[bytes] = mapped_column(sa.LargeBinary)

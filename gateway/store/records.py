@@ -67,6 +67,9 @@ class CallRecord:
     finish_reason: str | None = None
     is_subagent: bool = False
     agent_id: str | None = None
+    # The completion was sampled under a grammar (structured output, forced tool call): its logprobs are the
+    # masked distribution's, so the trainer keeps its tokens as context and never trains on them.
+    constrained: bool = False
     request_prefix_messages: int = 0
     parent_call_id: str | None = None
     prompt_prefix_len: int = 0

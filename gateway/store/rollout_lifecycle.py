@@ -324,6 +324,7 @@ def detail(db: sa.Engine, rollout_id: str, *, with_tokens: bool = True) -> dict[
                 "render_mode": call.render_mode,
                 "is_subagent": call.is_subagent,
                 "agent_id": call.agent_id,
+                "constrained": call.constrained,
                 "parent_call_id": call.parent_call_id,
                 "prompt_tokens": call.prompt_len,
                 "completion_tokens": call.completion_len,

@@ -88,6 +88,7 @@ def _call_row(record: CallRecord) -> dict[str, Any]:
         "render_mode": record.render_mode,
         "is_subagent": record.is_subagent,
         "agent_id": record.agent_id,
+        "constrained": record.constrained,
         "request": codec.pack_request(codec.trim_request(record.request, record.request_prefix_messages)),
         "request_prefix_messages": record.request_prefix_messages,
         "parent_call_id": record.parent_call_id,

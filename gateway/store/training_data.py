@@ -35,6 +35,7 @@ def call_views(session: Session, rollout_id: str, only: set[str] | None = None) 
             is_subagent=c.is_subagent,
             agent_id=c.agent_id,
             finish_reason=c.finish_reason,
+            constrained=c.constrained,
         )
         for c in calls
     ]

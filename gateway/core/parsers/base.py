@@ -94,10 +94,15 @@ class OutputParser(ABC):
     def __init__(self, *, tools_requested: bool = True, reasoning_started: bool = False) -> None:
         self.tools_requested = tools_requested
         self.reasoning_started = reasoning_started
+        # Set when a grammar held the answer's tool calls: a call cut short by max_tokens is returned as a call
+        # with the arguments written so far, not as the call's raw markup.
+        self.partial_calls = False
 
     # The tag that ends a tool call in this family's format (None: none): where a completion stops when the client
     # allows one tool call per turn (parallel_tool_calls false).
     tool_call_close: ClassVar[str | None] = None
+    # The tag that opens one (None: none): with the closing tag, what a grammar for tool calls is made of.
+    tool_call_open: ClassVar[str | None] = None
 
     @classmethod
     def starts_in_reasoning(cls, prompt_text: str) -> bool:

@@ -29,7 +29,9 @@ parses in linear time, whether it arrives as one delta or one character at a tim
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from enum import Enum
 from typing import ClassVar
 
@@ -89,6 +91,20 @@ def parse_tool_call_body(body: str) -> tuple[str, str] | None:
     return None
 
 
+_PARTIAL_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"?\s*(?:,\s*"arguments"\s*:\s*)?(.*)', re.S)
+
+
+def partial_tool_call_body(body: str) -> tuple[str, str]:
+    """``(name, arguments so far)`` of a call cut off inside its body, as OpenAI returns a call cut by max_tokens."""
+    match = _PARTIAL_CALL.match(body)
+    if match is None:
+        return "", body
+    name, arguments = match.groups()
+    with contextlib.suppress(ValueError):  # a name cut inside an escape stays as written
+        name = json.loads(f'"{name}"')
+    return name, arguments
+
+
 class HermesParser(OutputParser):
     name: ClassVar[str] = "hermes"
 
@@ -110,6 +126,7 @@ class HermesParser(OutputParser):
         self._finished = False
 
     tool_call_close: ClassVar[str | None] = TOOL_CLOSE
+    tool_call_open: ClassVar[str | None] = TOOL_OPEN
 
     @classmethod
     def starts_in_reasoning(cls, prompt_text: str) -> bool:
@@ -142,6 +159,9 @@ class HermesParser(OutputParser):
             self._emit_reasoning(self._buffer, out, closing=True)
         elif self._state is _State.CONTENT:
             self._emit_content(self._buffer, out)
+        elif self.partial_calls:  # a grammar held the call: cut short, it is still a call
+            name, arguments = partial_tool_call_body("".join(self._body))
+            out.tool_calls.append(ToolCallDelta(index=self._tool_index, name=name, arguments=arguments))
         else:  # an unterminated tool call is content, as written
             self._emit_content(TOOL_OPEN + "".join(self._body), out)
         self._buffer = ""

@@ -61,6 +61,7 @@ from gateway.protocols.anthropic.wire import (
     ToolResultBlock,
     ToolUseBlock,
     ToolUseOut,
+    output_format,
 )
 from gateway.protocols.common.blocks import REASONING, TEXT, BlockStream
 from gateway.protocols.common.choices import Event, collect_all
@@ -376,7 +377,7 @@ class MessagesServing(ProtocolServing[MessagesRequest]):
         job = self.job(
             req, raw, rollout, stream=req.stream, request_id=new_id("msg", sep="_"),
             conversation=(to_messages(req), to_tools(req.tools)), params=params, raw_messages=raw.get("messages"),
-            tool_use=tool_use(req.tool_choice),
+            tool_use=tool_use(req.tool_choice), json_output=output_format(req.output_config),
         )  # fmt: skip
         prep = await self.service.plan(job)
         choices = [self.service.run_choice(prep, 0)]

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
+from gateway.core.job import JsonOutput
 from gateway.protocols.common.wire import ModelRequest, ResponseModel, TolerantModel
 
 
@@ -135,6 +136,16 @@ class ConversationFields(ModelRequest):
         return self
 
 
+def output_format(output_config: dict[str, Any] | None) -> JsonOutput | None:
+    """The JSON output ``output_config.format`` asks for (None: text); ValueError for a malformed one."""
+    fmt = (output_config or {}).get("format") or {}
+    if not isinstance(fmt, dict):
+        raise ValueError("output_config.format must be an object")
+    if fmt and fmt.get("type") != "json_schema":
+        raise ValueError(f"output_config.format of type {fmt.get('type')!r} is not supported: use 'json_schema'")
+    return JsonOutput.of(fmt, fmt.get("schema"), "output_config.format") if fmt else None
+
+
 class MessagesRequest(ConversationFields):
     # Required by Anthropic; absent here means "up to the server cap".
     max_tokens: int | None = Field(default=None, ge=1)
@@ -144,14 +155,13 @@ class MessagesRequest(ConversationFields):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
     metadata: dict[str, Any] | None = None
-    # effort is a hint (accepted); format (structured output) needs constrained decoding and is refused.
+    # effort is a hint (accepted); format (a JSON schema) is decoded under its grammar (gateway/core/structured.py).
     output_config: dict[str, Any] | None = None
 
     @field_validator("output_config")
     @classmethod
-    def _no_output_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value and value.get("format") is not None:
-            raise ValueError("output_config.format (structured output) is not supported")
+    def _check_output_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        output_format(value)
         return value
 
     @field_validator("stop_sequences")

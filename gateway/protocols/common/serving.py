@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from gateway.core.conversation import Message, ToolSpec
-from gateway.core.job import ChatJob, ChoiceDelta, ChoiceResult, PlannedCall, RolloutRef, ToolUse
+from gateway.core.job import ChatJob, ChoiceDelta, ChoiceResult, JsonOutput, PlannedCall, RolloutRef, ToolUse
 from gateway.core.service import ChatService
 from gateway.engines.base import SamplingParams
 from gateway.errors import APIError, BadRequest
@@ -290,6 +290,7 @@ class ProtocolServing(ABC, Generic[Req]):
         tool_use: ToolUse | None = None,
         n: int = 1,
         prompt_ids: list[int] | None = None,
+        json_output: JsonOutput | None = None,
     ) -> ChatJob:
         """The job of a request: what every protocol fills the same way, and the translation it passes."""
         messages, tools = conversation
@@ -309,6 +310,7 @@ class ProtocolServing(ABC, Generic[Req]):
             # A token-level prompt (completions) is answered as plain text: no reasoning or tool-call parsing.
             parse_output=prompt_ids is None,
             prompt_ids=prompt_ids,
+            json_output=json_output,
         )
 
     async def stream(

@@ -42,6 +42,7 @@ from gateway.protocols.openai.wire import (
     FunctionCallOut,
     ToolCallOut,
     Usage,
+    json_output,
 )
 
 TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
@@ -135,6 +136,7 @@ class ChatServing(ProtocolServing[ChatCompletionRequest]):
         job = self.job(
             req, raw, rollout, stream=req.stream, request_id=new_id("chatcmpl"), conversation=conversation,
             params=params, raw_messages=raw.get("messages"), tool_use=tool_use, n=req.n,
+            json_output=json_output(req.response_format),
         )  # fmt: skip
         prep = await self.service.plan(job)
         created = int(time.time())

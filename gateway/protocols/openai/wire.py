@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from gateway.core.job import JsonOutput
 from gateway.protocols.common.wire import ModelRequest, ResponseModel, TolerantModel, omitted
 
 
@@ -90,19 +91,22 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    # Only plain text: JSON modes need constrained decoding, which is refused rather than ignored.
+    # text, json_object or json_schema: a JSON format is decoded under its grammar (gateway/core/structured.py).
     response_format: dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
+    @field_validator("response_format")
+    @classmethod
+    def _check_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        json_output(value)
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise ValueError(f"response_format of type {kind!r} is not supported (structured output); use 'text'")
         if isinstance(self.tool_choice, dict):
             fn = self.tool_choice.get("function") or {}
             name = fn.get("name") if isinstance(fn, dict) else None
@@ -111,6 +115,15 @@ class ChatCompletionRequest(SamplingFields):
             if not any(t.function.name == name for t in self.tools or []):
                 raise ValueError(f"tool_choice names a function that is not in tools: {name!r}")
         return self
+
+
+def json_output(response_format: dict[str, Any] | None) -> JsonOutput | None:
+    """The JSON output a chat ``response_format`` asks for (None: plain text); ValueError for a malformed one."""
+    fmt = response_format or {}
+    spec = fmt.get("json_schema") if fmt.get("type") == "json_schema" else None
+    if spec is not None and not isinstance(spec, dict):
+        raise ValueError("response_format json_schema must be an object with a schema")
+    return JsonOutput.of(fmt, (spec or {}).get("schema"), "response_format")
 
 
 class CompletionRequest(SamplingFields):

@@ -409,7 +409,7 @@ class ResponsesServing(ProtocolServing[ResponsesRequest]):
         job = self.job(
             req, raw, rollout, stream=req.stream, request_id=_item_id("resp"),
             conversation=(messages, to_tools(req.tools)), params=params, raw_messages=raw.get("input"),
-            tool_use=tool_use,
+            tool_use=tool_use, json_output=req.json_output(),
         )  # fmt: skip
         # Committed with the call, so any gateway process can continue this response.
         job.response = ResponseCapture(req.previous_response_id, req.stored, conversation[history:], answer.message)

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
+from gateway.core.job import JsonOutput
 from gateway.protocols.common.wire import ModelRequest, ResponseModel, TolerantModel, omitted
 
 # --- request ---------------------------------------------------------------------------------------------------
@@ -165,6 +166,13 @@ class ResponsesRequest(ModelRequest):
     # Extensions (not in the OpenAI API): sampling seed, as on chat completions.
     seed: int | None = None
 
+    def json_output(self) -> JsonOutput | None:
+        """The JSON output ``text.format`` asks for (None: text); ValueError for a malformed one."""
+        fmt = (self.text or {}).get("format") or {}
+        if not isinstance(fmt, dict):
+            raise ValueError("text.format must be an object")
+        return JsonOutput.of(fmt, fmt.get("schema"), "text.format")
+
     @model_validator(mode="after")
     def _check(self) -> ResponsesRequest:
         for i, tool in enumerate(self.tools or []):
@@ -181,11 +189,7 @@ class ResponsesRequest(ModelRequest):
                 raise ValueError("tool_choice of type function needs a name")
             if not any(t.type == "function" and t.name == name for t in self.tools or []):
                 raise ValueError(f"tool_choice names a function that is not in tools: {name!r}")
-        text_format = (self.text or {}).get("format") or {}
-        if isinstance(text_format, dict) and text_format.get("type", "text") != "text":
-            raise ValueError(
-                f"text.format of type {text_format.get('type')!r} is not supported (structured output); use 'text'"
-            )
+        self.json_output()
         if self.background:
             raise ValueError("background responses are not supported")
         if self.conversation is not None:
@@ -360,6 +364,12 @@ class ResponseObject(ResponseModel):
     metadata: dict[str, Any]
 
 
+def text_format(req: ResponsesRequest) -> dict[str, Any]:
+    """The output format the response was held to, as the request gave it (text when none)."""
+    fmt = (req.text or {}).get("format")
+    return fmt if isinstance(fmt, dict) and fmt.get("type", "text") != "text" else {"type": "text"}
+
+
 def response_object(
     req: ResponsesRequest,
     *,
@@ -391,7 +401,7 @@ def response_object(
             "reasoning": {"effort": None, "summary": req.reasoning.summary if req.reasoning else None},
             "store": req.stored,
             "temperature": 1.0 if req.temperature is None else req.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": text_format(req)},
             "tool_choice": req.tool_choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
             "top_p": 1.0 if req.top_p is None else req.top_p,

@@ -1,0 +1,317 @@
+"""Structured outputs on the local engine: forced tool calls and JSON formats decoded under a grammar.
+
+The tiny model is random: left alone it never writes valid JSON (checked below), so every answer that parses and
+validates here does so because of the grammar. Answers are drawn as ``n`` choices of one request (one prefill,
+one batch).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+import sqlalchemy as sa
+
+from gateway.store import codec
+from gateway.store.db import connect
+from tests.conftest import module_gateway
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "units": {"type": "string", "enum": ["metric", "imperial"]},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+READ = {
+    "type": "object",
+    "properties": {
+        "path": {"type": "string", "pattern": "^/[a-z]{1,12}$"},
+        "lines": {"type": "integer", "minimum": 1, "maximum": 500},
+    },
+    "required": ["path"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "read_file", "parameters": READ}},
+]
+SCHEMAS = {"get_weather": WEATHER, "read_file": READ}
+ANSWER = {
+    "type": "object",
+    "properties": {
+        "verdict": {"type": "boolean"},
+        "score": {"type": "integer", "minimum": 0, "maximum": 10},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]}, "maxItems": 3},
+        "$defs_user": {"$ref": "#/$defs/user"},
+    },
+    "required": ["verdict", "score", "tags", "$defs_user"],
+    "additionalProperties": False,
+    "$defs": {
+        "user": {
+            "type": "object",
+            "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}},
+            "required": ["id"],
+            "additionalProperties": False,
+        }
+    },
+}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris for three days?"}]
+N = 10  # choices per request; five requests make the 50 answers each check wants
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory, tiny_model_dir):
+    yield from module_gateway(tmp_path_factory.mktemp("gw-structured"), tiny_model_dir, max_tokens=400)
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    return openai.OpenAI(base_url=gateway.v1, api_key="unused", max_retries=0)
+
+
+def choices(client, rounds: int = 5, **kwargs):
+    out = []
+    for seed in range(rounds):
+        reply = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, n=N, seed=seed, temperature=1.0, **{"max_tokens": 160, **kwargs}
+        )
+        out += reply.choices
+    return out
+
+
+def test_without_a_grammar_the_random_model_writes_no_json(client):
+    texts = [c.message.content or "" for c in choices(client, rounds=1)]
+    assert len(texts) == N and all(texts)
+    parsed = 0
+    for text in texts:
+        try:
+            json.loads(text)
+            parsed += 1
+        except ValueError:
+            pass
+    assert parsed == 0
+
+
+def test_fifty_required_calls_parse_and_match_their_tool(client):
+    got = choices(client, tools=TOOLS, tool_choice="required", max_tokens=400)
+    assert len(got) == 5 * N
+    for choice in got:
+        assert choice.finish_reason == "tool_calls", choice
+        assert not choice.message.content
+        assert choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            assert call.function.name in SCHEMAS
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_fifty_named_calls_call_that_function(client):
+    named = {"type": "function", "function": {"name": "read_file"}}
+    got = choices(client, tools=TOOLS, tool_choice=named)
+    assert len(got) == 5 * N
+    for choice in got:
+        assert choice.finish_reason == "tool_calls", choice
+        [call] = choice.message.tool_calls
+        assert call.function.name == "read_file"
+        jsonschema.validate(json.loads(call.function.arguments), READ)
+
+
+def concurrently(send, count: int = 50) -> list:
+    with ThreadPoolExecutor(max_workers=N) as pool:
+        return list(pool.map(send, range(count)))
+
+
+def test_fifty_forced_calls_through_the_responses_api(gateway):
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+
+    def send(seed: int) -> dict:
+        body = {"model": "tiny", "input": MESSAGES[0]["content"], "tools": tools, "tool_choice": "required",
+                "max_output_tokens": 400, "seed": seed}  # fmt: skip
+        reply = httpx.post(f"{gateway.v1}/responses", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    for response in concurrently(send):
+        assert response["status"] == "completed", response
+        calls = [item for item in response["output"] if item["type"] == "function_call"]
+        assert calls and all(item["type"] in ("function_call", "reasoning") for item in response["output"])
+        for call in calls:
+            jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+def test_fifty_forced_calls_through_the_anthropic_api(gateway):
+    client = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+
+    def send(i: int):
+        choice = {"type": "any"} if i % 2 else {"type": "tool", "name": "get_weather"}
+        return choice, client.messages.create(
+            model="tiny", max_tokens=400, messages=MESSAGES, tools=tools, tool_choice=choice
+        )
+
+    for choice, message in concurrently(send):
+        assert message.stop_reason == "tool_use", message
+        uses = [block for block in message.content if block.type == "tool_use"]
+        assert uses and all(block.type in ("tool_use", "thinking") for block in message.content)
+        for use in uses:
+            assert choice["type"] == "any" or use.name == "get_weather"
+            jsonschema.validate(use.input, SCHEMAS[use.name])
+
+
+def test_json_schema_answers_through_the_responses_and_anthropic_apis(gateway):
+    client = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0)
+
+    def responses(seed: int) -> str:
+        fmt = {"type": "json_schema", "name": "verdict", "schema": ANSWER, "strict": True}
+        body = {"model": "tiny", "input": "judge", "text": {"format": fmt}, "max_output_tokens": 160, "seed": seed}
+        reply = httpx.post(f"{gateway.v1}/responses", json=body, timeout=120).json()
+        assert reply["text"]["format"] == fmt
+        return reply["output"][-1]["content"][0]["text"]
+
+    def messages(seed: int) -> str:
+        config = {"format": {"type": "json_schema", "schema": ANSWER}}
+        message = client.messages.create(
+            model="tiny", max_tokens=160, messages=MESSAGES, extra_body={"output_config": config}
+        )
+        return message.content[-1].text
+
+    for text in concurrently(responses, 10) + concurrently(messages, 10):
+        jsonschema.validate(json.loads(text), ANSWER)
+
+
+def test_one_call_when_parallel_calls_are_off(client):
+    got = choices(client, rounds=2, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert all(len(c.message.tool_calls) == 1 for c in got)
+
+
+def test_fifty_json_schema_answers_validate(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": ANSWER, "strict": True}}
+    got = choices(client, response_format=fmt)
+    assert len(got) == 5 * N
+    for choice in got:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), ANSWER)
+
+
+def test_json_object_answers_are_objects_or_cut_objects(client, tiny_tokenizer):
+    """A random model's strings rarely end (a closing quote is one token of 2,048), so most answers run to
+    max_tokens: each one is then a prefix of a JSON object (every byte of it accepted by the object grammar), and
+    one that ended is an object."""
+    from gateway.core.structured import json_grammar
+    from gateway.engines.grammar import Grammars
+
+    grammars = Grammars(tiny_tokenizer)
+    got = choices(client, rounds=2, response_format={"type": "json_object"}, max_tokens=48)
+    for choice in got:
+        text = choice.message.content
+        assert text.startswith("{")
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+        else:
+            assert choice.finish_reason == "length"
+            matcher = grammars.matcher(json_grammar(None))
+            assert matcher.consume_tokens(tiny_tokenizer.encode(text, add_special_tokens=False)), text
+
+
+def test_a_streamed_forced_call_arrives_as_a_call(client):
+    stream = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", stream=True, seed=3, max_tokens=400
+    )
+    names, arguments, content, finish = [], "", "", None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            if call.function.name:
+                names.append(call.function.name)
+            arguments += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and not content and names
+    assert names[0] in SCHEMAS
+
+
+def test_a_call_cut_by_max_tokens_is_a_partial_call_not_markup(client):
+    reply = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=6, seed=0
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length"
+    assert not choice.message.content
+    [call] = choice.message.tool_calls
+    assert call.function.name and "<tool_call>" not in call.function.arguments
+
+
+def test_tool_choice_none_never_calls(client):
+    got = choices(client, rounds=1, tools=TOOLS, tool_choice="none")
+    assert all(not c.message.tool_calls for c in got)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
+         "response_format", "objec"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}}}}}},
+         "response_format", "look-around"),
+        ({"response_format": {"type": "xml"}}, "response_format", "xml"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "if": {}}}}],
+          "tool_choice": "required"}, "tool_choice", "if"),
+    ],
+)  # fmt: skip
+def test_a_format_that_cannot_be_enforced_is_a_400_naming_it(gateway, body, param, words):
+    reply = httpx.post(
+        f"{gateway.v1}/chat/completions", json={"model": "tiny", "messages": MESSAGES, **body}, timeout=30
+    )
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_a_constrained_answer_records_the_masked_logprobs_and_is_marked(client, gateway, tiny_model_dir):
+    """The recorded logprob of each token is the one of the masked distribution it was drawn from: recomputed here
+    with a plain forward of the model and the grammar's masks, independently of the engine."""
+    import torch
+    from llguidance import LLMatcher
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gateway.core.structured import json_grammar
+    from gateway.end_of_turn import end_token_ids
+    from gateway.engines.grammar import Grammars
+    from gateway.engines.sampling import mask_logits
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, response_format=fmt, seed=7, max_tokens=64)
+    jsonschema.validate(json.loads(reply.choices[0].message.content), WEATHER)
+    gateway.flush()
+    engine = connect(gateway.settings.database_url)
+    with engine.connect() as conn:
+        row = conn.execute(sa.text("SELECT * FROM calls WHERE request_id = :r"), {"r": reply.id}).mappings().one()
+    engine.dispose()
+    assert row["constrained"] in (True, 1)
+    prompt = codec.unpack_ids(row["prompt_delta"])
+    ids, recorded = codec.unpack_ids(row["completion_ids"]), codec.unpack_logprobs(row["completion_logprobs"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ends = end_token_ids(tokenizer, model.generation_config.eos_token_id)  # the engine's end tokens
+    grammars = Grammars(tokenizer, vocab_size=model.config.vocab_size, eos_ids=ends)
+    matcher: LLMatcher = grammars.matcher(json_grammar(WEATHER))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[*prompt, *ids]])).logits[0, len(prompt) - 1 : -1].float()
+    masked, unmasked = [], []
+    for row_logits, token in zip(logits, ids, strict=True):
+        unmasked.append(float(torch.log_softmax(row_logits, -1)[token]))
+        mask_logits(grammars.allowed(matcher), row_logits)
+        masked.append(float(torch.log_softmax(row_logits, -1)[token]))
+        assert matcher.consume_token(token)
+    assert recorded == pytest.approx(masked, abs=2e-3)
+    # The mask mattered: unmasked, the same tokens are far less likely.
+    assert sum(masked) - sum(unmasked) > 5
