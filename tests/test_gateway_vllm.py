@@ -141,6 +141,44 @@ def test_tito_chain_via_vllm(gw):
     assert gw.state.metrics.drift._value.get() == 0
 
 
+def test_structured_outputs_via_vllm(gateway_factory, vllm_server, tiny_model_dir):
+    """Forced calls and JSON schema answers through vLLM's structured outputs: 50 of each parse and validate (the
+    random model writes no JSON by itself, see tests/test_structured.py), and a constrained answer's recorded
+    logprobs are the masked distribution's, recomputed here from a plain forward and the grammar's masks."""
+    import jsonschema
+
+    from gateway.core.structured import json_grammar
+    from tests.test_structured import ANSWER, SCHEMAS, TOOLS, WEATHER, masked_logprobs
+
+    gw = gateway_factory(engine="vllm", vllm_url=vllm_server.url, vllm_model="tiny", max_tokens=400)
+    client = openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0)
+    ask = [{"role": "user", "content": "Weather in Oslo?"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": ANSWER}}
+    calls, answers = [], []
+    for seed in range(5):
+        reply = client.chat.completions.create(
+            model="tiny", messages=ask, tools=TOOLS, tool_choice="required", n=10, seed=seed, max_tokens=400
+        )
+        calls += reply.choices
+        reply = client.chat.completions.create(model="tiny", messages=ask, response_format=fmt, n=10, seed=seed)
+        answers += reply.choices
+    for choice in calls:
+        assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    for choice in answers:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), ANSWER)
+
+    weather = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+    reply = client.chat.completions.create(model="tiny", messages=ask, response_format=weather, seed=1, max_tokens=64)
+    [(call, prompt, ids, recorded)] = stored(gw, "request_id = :r", {"r": reply.id})
+    assert call.constrained
+    masked, unmasked = masked_logprobs(tiny_model_dir, prompt, ids, json_grammar(WEATHER), engine="vllm")
+    assert recorded == pytest.approx(masked, abs=2e-3)
+    assert sum(masked) - sum(unmasked) > 5
+
+
 def test_a_client_that_goes_away_stops_the_generation_in_vllm(gateway_factory, vllm_server):
     """Client → gateway → vLLM: closing the stream at the gateway ends the call as cancelled and stops vLLM
     (by an explicit abort: vLLM alone may notice the gateway's disconnect only much later)."""

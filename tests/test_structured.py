@@ -276,34 +276,36 @@ def test_a_format_that_cannot_be_enforced_is_a_400_naming_it(gateway, body, para
     assert error["param"] == param and words in error["message"], error
 
 
-def test_a_constrained_answer_records_the_masked_logprobs_and_is_marked(client, gateway, tiny_model_dir):
-    """The recorded logprob of each token is the one of the masked distribution it was drawn from: recomputed here
-    with a plain forward of the model and the grammar's masks, independently of the engine."""
+def stored_call(gateway, request_id: str) -> dict:
+    gateway.flush()
+    engine = connect(gateway.settings.database_url)
+    with engine.connect() as conn:
+        row = conn.execute(sa.text("SELECT * FROM calls WHERE request_id = :r"), {"r": request_id}).mappings().one()
+    engine.dispose()
+    return dict(row)
+
+
+def masked_logprobs(
+    model_dir, prompt: list[int], ids: list[int], grammar: str, *, engine: str = "local"
+) -> tuple[list[float], list[float]]:
+    """Each completion token's logprob under the grammar's mask, and without it, from a plain forward of the model.
+    A finished grammar allows the engine's end tokens: the local engine's every end-of-turn token, vLLM's guidance
+    backend the tokenizer's EOS token alone."""
     import torch
-    from llguidance import LLMatcher
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gateway.core.structured import json_grammar
     from gateway.end_of_turn import end_token_ids
     from gateway.engines.grammar import Grammars
     from gateway.engines.sampling import mask_logits
 
-    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
-    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, response_format=fmt, seed=7, max_tokens=64)
-    jsonschema.validate(json.loads(reply.choices[0].message.content), WEATHER)
-    gateway.flush()
-    engine = connect(gateway.settings.database_url)
-    with engine.connect() as conn:
-        row = conn.execute(sa.text("SELECT * FROM calls WHERE request_id = :r"), {"r": reply.id}).mappings().one()
-    engine.dispose()
-    assert row["constrained"] in (True, 1)
-    prompt = codec.unpack_ids(row["prompt_delta"])
-    ids, recorded = codec.unpack_ids(row["completion_ids"]), codec.unpack_logprobs(row["completion_logprobs"])
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    ends = end_token_ids(tokenizer, model.generation_config.eos_token_id)  # the engine's end tokens
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    if engine == "local":
+        ends = end_token_ids(tokenizer, model.generation_config.eos_token_id)
+    else:
+        ends = frozenset([tokenizer.eos_token_id])
     grammars = Grammars(tokenizer, vocab_size=model.config.vocab_size, eos_ids=ends)
-    matcher: LLMatcher = grammars.matcher(json_grammar(WEATHER))
+    matcher = grammars.matcher(grammar)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([[*prompt, *ids]])).logits[0, len(prompt) - 1 : -1].float()
     masked, unmasked = [], []
@@ -312,6 +314,22 @@ def test_a_constrained_answer_records_the_masked_logprobs_and_is_marked(client, 
         mask_logits(grammars.allowed(matcher), row_logits)
         masked.append(float(torch.log_softmax(row_logits, -1)[token]))
         assert matcher.consume_token(token)
+    return masked, unmasked
+
+
+def test_a_constrained_answer_records_the_masked_logprobs_and_is_marked(client, gateway, tiny_model_dir):
+    """The recorded logprob of each token is the one of the masked distribution it was drawn from: recomputed here
+    with a plain forward of the model and the grammar's masks, independently of the engine."""
+    from gateway.core.structured import json_grammar
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, response_format=fmt, seed=7, max_tokens=64)
+    jsonschema.validate(json.loads(reply.choices[0].message.content), WEATHER)
+    row = stored_call(gateway, reply.id)
+    assert row["constrained"] in (True, 1)
+    prompt = codec.unpack_ids(row["prompt_delta"])
+    ids, recorded = codec.unpack_ids(row["completion_ids"]), codec.unpack_logprobs(row["completion_logprobs"])
+    masked, unmasked = masked_logprobs(tiny_model_dir, prompt, ids, json_grammar(WEATHER))
     assert recorded == pytest.approx(masked, abs=2e-3)
     # The mask mattered: unmasked, the same tokens are far less likely.
     assert sum(masked) - sum(unmasked) > 5

