@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from clawgate import up
+from clawgate.malloc import limit_arenas
 from clawgate.tiny_model import build_tiny
 from gateway import cli as gateway_cli
 from gateway.settings import Settings
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
 
     args = build_parser().parse_args(argv)
+    # Before any thread starts: a long-running gateway's memory levels off with fewer malloc arenas.
+    limit_arenas()
     try:
         return int(args.func(args))
     except KeyboardInterrupt:
