@@ -62,7 +62,6 @@ class Structured:
         self.grammars = Grammars(tokenizer)
         self._open = self._token(tokenizer, parser_cls.tool_call_open)
         self._close = self._token(tokenizer, parser_cls.tool_call_close)
-        self._checked: set[str] = set()
 
     @staticmethod
     def _token(tokenizer: PreTrainedTokenizerBase, text: str | None) -> str | None:
@@ -86,12 +85,8 @@ class Structured:
 
     async def check(self, constraint: Constraint, param: str) -> None:
         """Refuse (BadRequest naming ``param``) a constraint the grammar library cannot compile."""
-        if constraint.grammar in self._checked:
-            return
-        await asyncio.to_thread(self.grammars.check, constraint.grammar, param)
-        if len(self._checked) > 4096:
-            self._checked.clear()
-        self._checked.add(constraint.grammar)
+        if not self.grammars.cached(constraint.grammar):
+            await asyncio.to_thread(self.grammars.check, constraint.grammar, param)
 
     def _forced_call(self, job: ChatJob) -> str:
         if self._close is None:

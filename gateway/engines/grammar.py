@@ -67,6 +67,15 @@ class Grammars:
                 self._compiled.popitem(last=False)
         return matcher
 
+    def cached(self, grammar: str) -> bool:
+        """Whether ``grammar`` is compiled already (counted as a cache hit); cheap enough for the event loop."""
+        with self._lock:
+            if grammar not in self._compiled:
+                return False
+            self._compiled.move_to_end(grammar)
+            self.stats["hits"] += 1
+            return True
+
     def check(self, grammar: str, param: str) -> None:
         """Compile ``grammar`` (or find it compiled); BadRequest naming ``param`` when it cannot be enforced."""
         self._compiled_matcher(grammar, param)

@@ -1,0 +1,234 @@
+"""Structured outputs: what a grammar costs per token, per schema, and how often a schema is compiled again.
+
+Printed:
+- compile: cold compile time of the forced-call grammar of each captured harness's tool set (Claude Code, Codex,
+  OpenClaw: tests' fixtures) and of a JSON schema answer, then the time of a cache hit;
+- cache: hit rate of the gateway's grammar cache over requests that cycle through a few tool sets;
+- decode on the in-process engine: time per generated token with a JSON schema against the same requests without
+  one (side by side, same batch), and the mask's own time per token;
+- with ``--vllm``: the same per-token comparison through a vLLM CPU server (from ``.venv-vllm``).
+
+Goal (issue: structured outputs): the grammar adds at most 10% to decode time.
+
+    .venv/bin/python bench/structured.py
+    .venv/bin/python bench/structured.py --vllm
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gateway.core.conversation import ToolSpec  # noqa: E402
+from gateway.core.job import ChatJob, JsonOutput, RolloutRef, ToolUse  # noqa: E402
+from gateway.core.parsers.hermes import HermesParser  # noqa: E402
+from gateway.core.structured import Structured, json_grammar  # noqa: E402
+from gateway.engines.base import Constraint, GenerationEnd, GenerationRequest, SamplingParams, TokenDelta  # noqa: E402
+from gateway.engines.grammar import Grammars  # noqa: E402
+
+FIXTURES = ROOT.parent / "shared" / "fixtures" / "harness-requests"
+HARNESS_FILES = {
+    "claude-code": "claude-code/01-first-turn-messages.json",
+    "codex": "codex/01-first-turn-responses-custom-model.json",
+    "openclaw": "openclaw/01-chat-completions-after-tool-result.json",
+}
+# Bounded values: the random tiny model never ends an unbounded string or number by itself.
+ANSWER = {
+    "type": "object",
+    "properties": {
+        "verdict": {"type": "boolean"},
+        "score": {"type": "integer", "minimum": 0, "maximum": 10},
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["verdict", "score", "city", "tags"],
+    "additionalProperties": False,
+}
+
+
+def harness_tools(name: str) -> list[ToolSpec]:
+    """The tools a captured harness request offers, whatever its API's spelling."""
+    body = json.loads((FIXTURES / HARNESS_FILES[name]).read_text())["body"]
+    tools = []
+    for tool in body.get("tools") or []:
+        fn = tool.get("function", tool)
+        schema = fn.get("parameters") or fn.get("input_schema")
+        if fn.get("name") and isinstance(schema, dict):
+            tools.append(ToolSpec(fn["name"], parameters=schema))
+    return tools
+
+
+def job(tools: list[ToolSpec], json_output: JsonOutput | None = None) -> ChatJob:
+    return ChatJob(
+        api="chat", model="m", messages=[], tools=tools, n=1, params=SamplingParams(max_tokens=1),
+        rollout=RolloutRef(), raw_request={}, request_id="r", tool_use=ToolUse(force=bool(tools)),
+        json_output=json_output,
+    )  # fmt: skip
+
+
+def compile_figures(tokenizer: Any) -> None:
+    print("compile (cold, then a cache hit):")
+    structured = Structured(HermesParser, tokenizer)
+    for name in HARNESS_FILES:
+        tools = harness_tools(name)
+        forced = HermesParser.forced_call_prefix(None) or ""
+        grammar = structured.constraint(job(tools), forced)
+        assert grammar is not None
+        cold = Grammars(tokenizer)
+        t0 = time.perf_counter()
+        cold.check(grammar.grammar, "tool_choice")
+        t1 = time.perf_counter()
+        cold.matcher(grammar.grammar)
+        t2 = time.perf_counter()
+        print(f"  {name:12s} {len(tools):2d} tools, {len(grammar.grammar):6,d} chars: "
+              f"{(t1 - t0) * 1e3:7.2f} ms cold, {(t2 - t1) * 1e3:5.3f} ms hit")  # fmt: skip
+    cold = Grammars(tokenizer)
+    t0 = time.perf_counter()
+    cold.check(json_grammar(ANSWER), "response_format")
+    print(f"  json schema answer: {(time.perf_counter() - t0) * 1e3:.2f} ms cold")
+
+
+def cache_figures(tokenizer: Any, requests: int = 300) -> None:
+    structured = Structured(HermesParser, tokenizer)
+    sets = [harness_tools(name) for name in HARNESS_FILES]
+    forced = HermesParser.forced_call_prefix(None) or ""
+
+    async def run() -> None:
+        for i in range(requests):
+            grammar = structured.constraint(job(sets[i % len(sets)]), forced)
+            assert grammar is not None
+            await structured.check(grammar, "tool_choice")
+
+    asyncio.run(run())
+    stats = structured.grammars.stats
+    total = stats["hits"] + stats["compiles"]
+    print(f"cache: {requests} requests over {len(sets)} tool sets: {stats['compiles']} compiled, "
+          f"hit rate {stats['hits'] / total:.1%} of compilations asked for")  # fmt: skip
+
+
+async def generate_all(engine: Any, prompt: list[int], constraint: Constraint | None, n: int, tokens: int):
+    """``n`` concurrent requests; returns (tokens generated, seconds of decode per the engine or the client)."""
+
+    async def one(i: int) -> tuple[int, float]:
+        params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=i, constraint=constraint)
+        request = GenerationRequest(f"b{i}-{time.monotonic_ns()}", prompt, params)
+        count, first, end = 0, None, None
+        async for event in engine.generate(request):
+            if isinstance(event, TokenDelta):
+                count += len(event.token_ids)
+                first = first or time.perf_counter()
+            elif isinstance(event, GenerationEnd):
+                end = time.perf_counter()
+        assert first is not None and end is not None
+        return count, end - first
+
+    results = await asyncio.gather(*(one(i) for i in range(n)))
+    generated = sum(c for c, _ in results)
+    # Time per token after the first (prefill excluded), averaged over the batch's requests.
+    per_token = statistics.mean(s / max(c - 1, 1) for c, s in results)
+    return generated, per_token
+
+
+async def decode_figures(engine: Any, tokenizer: Any, label: str, rounds: int = 3) -> None:
+    """Per-token decode time with and without a grammar, one request alone and eight at once. Eight constrained
+    answers end at different lengths (the free ones all run to max_tokens), which costs the in-process engine's
+    batch a cache reshuffle per finished row: the single request shows the grammar's own cost."""
+    prompt = list(tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Judge the answer."}], add_generation_prompt=True, tokenize=True, return_dict=False
+    ))  # fmt: skip
+    constraint = Constraint("json", json_grammar(ANSWER))
+    await generate_all(engine, prompt, None, 8, 8)  # warm-up
+    await generate_all(engine, prompt, constraint, 8, 8)
+    for n in (1, 8):
+        free, held = [], []
+        for _ in range(rounds):  # interleaved, so both see the same machine load
+            free.append((await generate_all(engine, prompt, None, n, 40))[1])
+            held.append((await generate_all(engine, prompt, constraint, n, 40))[1])
+        a, b = statistics.median(free), statistics.median(held)
+        print(f"decode, {label}, {n} at once: {a * 1e3:.2f} ms/token free, {b * 1e3:.2f} ms/token under a JSON "
+              f"schema ({(b / a - 1):+.1%})")  # fmt: skip
+
+
+def mask_figures(tokenizer: Any, vocab_size: int) -> None:
+    import torch
+
+    from gateway.engines.sampling import mask_logits
+
+    grammars = Grammars(tokenizer, vocab_size=vocab_size)
+    matcher = grammars.matcher(json_grammar(ANSWER))
+    text = json.dumps({"verdict": True, "score": 7, "city": "Oslo", "tags": ["a", "c"]}, separators=(", ", ": "))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    logits = torch.zeros(vocab_size)
+    times = []
+    for token in ids:
+        t0 = time.perf_counter()
+        mask_logits(grammars.allowed(matcher), logits)
+        assert matcher.consume_token(token)
+        times.append(time.perf_counter() - t0)
+    print(f"mask: first token {times[0] * 1e3:.2f} ms, then a median {statistics.median(times[1:]) * 1e6:.0f} µs per "
+          f"token (compute, unpack, apply, advance; vocabulary {vocab_size:,})")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vllm", action="store_true", help="also through a vLLM CPU server from .venv-vllm")
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    from clawgate.tiny_model import build_tiny_model
+    from gateway.engines.local import LocalEngine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "tiny"
+        build_tiny_model(model_dir, seed=0)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        compile_figures(tokenizer)
+        cache_figures(tokenizer)
+
+        async def local() -> int:
+            engine = LocalEngine(str(model_dir), max_batch=8)
+            await engine.start()
+            try:
+                await decode_figures(engine, tokenizer, "in-process engine")
+                return engine.vocab_size
+            finally:
+                await engine.close()
+
+        vocab = asyncio.run(local())
+        mask_figures(tokenizer, vocab)
+        if args.vllm:
+            vllm_figures(model_dir, tokenizer)
+
+
+def vllm_figures(model_dir: Path, tokenizer: Any) -> None:
+    from gateway.engines.vllm import VLLMEngine
+    from gateway.engines.vllm_server import VLLMServer, find_vllm_python
+
+    python = find_vllm_python(None)
+    if python is None:
+        sys.exit("no vLLM interpreter: ./dev setup-vllm")
+    with VLLMServer(python, model_dir, served_model_name="tiny", enable_lora=False) as server:
+
+        async def run() -> None:
+            engine = VLLMEngine(server.url, model="tiny", eos_token_ids=[tokenizer.eos_token_id])
+            await engine.start()
+            try:
+                await decode_figures(engine, tokenizer, "vLLM CPU server")
+            finally:
+                await engine.close()
+
+        asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()
