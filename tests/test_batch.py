@@ -476,3 +476,27 @@ def test_bad_arguments_are_refused() -> None:
     (batch,) = pack_trees(trees, "tree")
     with pytest.raises(ValueError, match="dense 4-D mask"):
         batch.attention_mask("flash_attention_2")
+
+
+def test_a_constrained_calls_tokens_carry_no_loss() -> None:
+    """Structured outputs' rule (prefix_tree/build.py): a completion sampled under a grammar has masked-distribution
+    logprobs, which the trainer's unmasked recomputation cannot be compared with, so its tokens are context in the
+    batch: no weight, no rollout logprob, and the loss and its gradient do not depend on them."""
+    model = lora(tiny_model("sdpa"))
+    first = CallView("a", [1, 2, 3], [4, 5, 6], [-1.0, -1.1, -1.2], 0.0, "ok", 1)
+    second = CallView("b", [1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11], [-0.5] * 4, 1.0, "ok", 1, constrained=True)
+    [every] = pack_trees([build_tree([first, second], CONFIG)], all_tokens=True)
+    later = every.depths >= 7  # the second call's completion positions
+    assert later.sum() == 4 and not every.trainable[later].any() and bool((every.weights[later] == 0).all())
+    assert every.trainable[~later].sum() > 0 and bool(torch.isnan(every.rollout_logprobs[later]).all())
+    [batch] = pack_trees([build_tree([first, second], CONFIG)])
+    _, loss = run(model, [batch], torch.tensor([1.0]))
+    reference = grads(model)
+    # The same answer unconstrained is trained: its tokens have weight.
+    [free] = pack_trees([build_tree([first, dataclasses.replace(second, constrained=False)], CONFIG)])
+    assert bool((free.weights[free.depths >= 7] > 0).all())
+    # The loss sees the first call's tokens only: the same as a batch of the first call alone.
+    [alone] = pack_trees([build_tree([first], CONFIG)])
+    _, loss_alone = run(model, [alone], torch.tensor([1.0]))
+    assert loss == pytest.approx(loss_alone, rel=1e-5)
+    assert_same_grads(reference, grads(model))
