@@ -8,6 +8,7 @@ one batch).
 from __future__ import annotations
 
 import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
@@ -277,10 +278,12 @@ def test_a_format_that_cannot_be_enforced_is_a_400_naming_it(gateway, body, para
 
 
 def stored_call(gateway, request_id: str) -> dict:
+    """The stored call of a request's first choice."""
     gateway.flush()
     engine = connect(gateway.settings.database_url)
     with engine.connect() as conn:
-        row = conn.execute(sa.text("SELECT * FROM calls WHERE request_id = :r"), {"r": request_id}).mappings().one()
+        query = sa.text("SELECT * FROM calls WHERE request_id = :r AND choice_index = 0")
+        row = conn.execute(query, {"r": request_id}).mappings().one()
     engine.dispose()
     return dict(row)
 
@@ -333,3 +336,46 @@ def test_a_constrained_answer_records_the_masked_logprobs_and_is_marked(client, 
     assert recorded == pytest.approx(masked, abs=2e-3)
     # The mask mattered: unmasked, the same tokens are far less likely.
     assert sum(masked) - sum(unmasked) > 5
+
+
+@pytest.fixture(scope="module")
+def thinking_gateway(tmp_path_factory, tiny_model_dir):
+    """The tiny model with a template whose generation prompt opens a <think> block, as Qwen3's thinking ones do."""
+    model_dir = tmp_path_factory.mktemp("thinking") / "tiny-thinking"
+    shutil.copytree(tiny_model_dir, model_dir)
+    template = model_dir / "chat_template.jinja"
+    text = template.read_text()
+    opening = "{{- '<|im_start|>assistant\\n' -}}"
+    assert text.count(opening) == 2  # an assistant turn, and the generation prompt (last)
+    head, _, tail = text.rpartition(opening)
+    template.write_text(
+        head
+        + opening
+        + "{%- if enable_thinking is not defined or enable_thinking -%}{{- '<think>\\n' -}}{%- endif -%}"
+        + tail
+    )
+    yield from module_gateway(tmp_path_factory.mktemp("gw-thinking"), model_dir, max_tokens=400)
+
+
+def test_a_thinking_template_is_closed_before_a_grammars_answer(thinking_gateway):
+    client = openai.OpenAI(base_url=thinking_gateway.v1, api_key="unused", max_retries=0)
+    free = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, seed=0)
+    assert free.choices[0].message.model_extra.get("reasoning_content")  # the template does open a block
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, response_format=fmt, seed=0, n=4)
+    for choice in reply.choices:
+        assert not choice.message.model_extra.get("reasoning_content")
+        jsonschema.validate(json.loads(choice.message.content), WEATHER)
+    forced = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", seed=0, n=4, max_tokens=400
+    )
+    for choice in forced.choices:
+        assert not choice.message.content and not choice.message.model_extra.get("reasoning_content")
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    row = stored_call(thinking_gateway, reply.id)
+    prompt_tail = codec.unpack_ids(row["prompt_delta"])[-8:]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(thinking_gateway.settings.model)
+    assert tokenizer.decode(prompt_tail).endswith("<think>\n\n</think>\n\n")

@@ -137,8 +137,11 @@ class PlannedCall:
     request_prefix_messages: int
     adapter: str | None = None
     policy_version: int | None = None
-    # Text appended to the rendered prompt to force a tool call; the output parser reads it first.
+    # Text appended to the rendered prompt to force a tool call (or to close a reasoning block before a grammar's
+    # answer); the output parser reads it first.
     forced_text: str = ""
+    # The rendered prompt opened a reasoning block (<think>): the parser starts inside it.
+    opened_reasoning: bool = False
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -201,6 +201,13 @@ class ChatService:
         if constraint is not None:
             await self.structured.check(constraint, "tool_choice" if forced_text else "response_format")
             params = replace(params, constraint=constraint)
+        # A template whose generation prompt opens a <think> block (Qwen3 thinking) starts the answer in reasoning.
+        opened = job.parse_output and self.parser_cls.starts_in_reasoning(
+            str(self.tokenizer.decode(plan.prompt_ids[-4:]))
+        )
+        if opened and constraint is not None:
+            # Under a grammar the block is closed empty, and the grammar's answer follows.
+            forced_text = self.parser_cls.closed_reasoning() + forced_text
         if forced_text:
             # The opening of a tool call goes at the end of the prompt: the model continues inside the call. These
             # tokens were not sampled, so they belong to the prompt (never trained on); a later turn that echoes
@@ -226,6 +233,7 @@ class ChatService:
             adapter=arm.adapter,
             policy_version=arm.version,
             forced_text=forced_text,
+            opened_reasoning=opened,
         )
 
     def _max_tokens(self, job: ChatJob, prompt_len: int) -> int:
@@ -349,11 +357,8 @@ class ChatService:
         job = prep.job
         if not job.parse_output:
             return PlainText()
-        # A template whose generation prompt opens a <think> block (Qwen3 thinking) starts us in reasoning.
-        prompt_tail = str(self.tokenizer.decode(prep.prompt_ids[-4:]))
         parser = self.parser_cls(
-            tools_requested=job.tool_use.parse and bool(job.tools),
-            reasoning_started=self.parser_cls.starts_in_reasoning(prompt_tail),
+            tools_requested=job.tool_use.parse and bool(job.tools), reasoning_started=prep.opened_reasoning
         )
         parser.partial_calls = prep.params.constraint is not None
         return parser

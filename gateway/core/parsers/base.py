@@ -110,6 +110,12 @@ class OutputParser(ABC):
         return False
 
     @classmethod
+    def closed_reasoning(cls) -> str:
+        """Text that, appended to a prompt that opened a reasoning block, closes it empty: a grammar's answer starts
+        after it (reasoning is not possible under a grammar)."""
+        return ""
+
+    @classmethod
     def forced_call_prefix(cls, name: str | None) -> str | None:
         """Text that, appended to the prompt, puts the model inside a tool call (of function ``name``, or of any
         function): how a tool_choice that forces a call is honoured. None: this family cannot."""

@@ -134,6 +134,11 @@ class HermesParser(OutputParser):
         return tail.endswith(THINK_OPEN)
 
     @classmethod
+    def closed_reasoning(cls) -> str:
+        # As Qwen3's templates write a turn without reasoning: '<think>\n\n</think>\n\n'.
+        return "\n" + THINK_CLOSE + "\n\n"
+
+    @classmethod
     def forced_call_prefix(cls, name: str | None) -> str | None:
         # As Hermes/Qwen chat templates render a call: '<tool_call>\n{"name": "…", "arguments": …}\n</tool_call>'.
         if name is None:
