@@ -53,6 +53,15 @@ class Metrics:
             registry=r,
         )
         self.errors = Counter("clawgate_errors", "Errors returned", ["type"], registry=r)
+        self.grammar_hits = Counter(
+            "clawgate_grammar_cache_hits", "Structured outputs whose grammar was compiled already", registry=r
+        )
+        self.grammar_compile = Histogram(
+            "clawgate_grammar_compile_seconds",
+            "Compilation of a structured output's grammar not in the cache",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
 
     def _capture(self, r: CollectorRegistry) -> None:
         """The capture writer: its queue, what it wrote, retried and dead-lettered, and outages."""

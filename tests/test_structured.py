@@ -250,6 +250,20 @@ def test_a_call_cut_by_max_tokens_is_a_partial_call_not_markup(client):
     assert call.function.name and "<tool_call>" not in call.function.arguments
 
 
+def test_the_grammar_cache_is_counted_on_metrics(gateway, client):
+    def value(name: str) -> float:
+        text = httpx.get(f"{gateway.url}/metrics", timeout=30).text
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    compiled, hits = value("clawgate_grammar_compile_seconds_count"), value("clawgate_grammar_cache_hits_total")
+    for seed in range(3):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, response_format=fmt, seed=seed, max_tokens=16)
+    assert value("clawgate_grammar_compile_seconds_count") == compiled + 1
+    assert value("clawgate_grammar_cache_hits_total") == hits + 2
+
+
 def test_tool_choice_none_never_calls(client):
     got = choices(client, rounds=1, tools=TOOLS, tool_choice="none")
     assert all(not c.message.tool_calls for c in got)

@@ -124,7 +124,7 @@ class ChatService:
         self.max_tokens_cap = max_tokens_cap
         self.parser_cls = get_parser(parser)
         self.tool_choice = ToolChoice(self.parser_cls, tokenizer)
-        self.structured = Structured(self.parser_cls, tokenizer)
+        self.structured = Structured(self.parser_cls, tokenizer, metrics)
         # Which version serves a call (gateway/promotion/routing.py): the incumbent, and a canary's candidate.
         self.routing = Routing(Arm(adapter, policy_version))
         # Calls running per adapter: a version is unloaded only once none of this gateway's calls use it.

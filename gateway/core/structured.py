@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 from gateway.core.job import ChatJob
@@ -28,6 +29,7 @@ from gateway.core.tokens import single_token_id
 from gateway.engines.base import Constraint
 from gateway.engines.grammar import Grammars
 from gateway.errors import BadRequest
+from gateway.metrics import Metrics
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -57,8 +59,11 @@ def json_grammar(schema: dict[str, Any] | None) -> str:
 class Structured:
     """Builds and checks the constraint of a job (see the module docstring)."""
 
-    def __init__(self, parser_cls: type[OutputParser], tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self, parser_cls: type[OutputParser], tokenizer: PreTrainedTokenizerBase, metrics: Metrics | None = None
+    ) -> None:
         self.parser_cls = parser_cls
+        self.metrics = metrics
         self.grammars = Grammars(tokenizer)
         self._open = self._token(tokenizer, parser_cls.tool_call_open)
         self._close = self._token(tokenizer, parser_cls.tool_call_close)
@@ -85,8 +90,14 @@ class Structured:
 
     async def check(self, constraint: Constraint, param: str) -> None:
         """Refuse (BadRequest naming ``param``) a constraint the grammar library cannot compile."""
-        if not self.grammars.cached(constraint.grammar):
-            await asyncio.to_thread(self.grammars.check, constraint.grammar, param)
+        if self.grammars.cached(constraint.grammar):
+            if self.metrics is not None:
+                self.metrics.grammar_hits.inc()
+            return
+        t0 = time.perf_counter()
+        await asyncio.to_thread(self.grammars.check, constraint.grammar, param)
+        if self.metrics is not None:
+            self.metrics.grammar_compile.observe(time.perf_counter() - t0)
 
     def _forced_call(self, job: ChatJob) -> str:
         if self._close is None:
