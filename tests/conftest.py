@@ -19,6 +19,30 @@ from gateway.settings import Settings
 from gateway.store import db
 from tests.missing import missing
 
+# Test files that take minutes, slowest first (per-file time in CI on the 2-core machine kind): collected first, so
+# the two xdist processes (./dev test hands files out in collection order) start on them and end together, instead of
+# one process running a long file alone at the end while the other has finished.
+SLOW_FIRST = (
+    "tests/test_runtime_learning.py",  # ~830 s
+    "tests/test_learning.py",  # ~400 s
+    "tests/test_online_learning.py",  # ~320 s
+    "tests/test_gateway_vllm.py",  # ~300 s
+    "tests/test_vllm_replicas.py",  # ~230 s
+    "tests/test_image.py",  # 50 s with its layer cache, 6 min without
+    "tests/test_engine_vllm.py",
+    "tests/test_claude_code_e2e.py",
+    "tests/test_trainer_daemon.py",
+    "tests/test_crash.py",
+    "tests/test_turn_training.py",
+    "tests/test_outage.py",
+    "tests/test_structured.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+
 
 def _hypothesis_profiles() -> None:
     """Property tests print the seed that reproduces a failure; CI (and ./dev test) runs a fixed, derandomized

@@ -540,3 +540,9 @@ def test_a_loosely_typed_settings_parameter_is_caught(source: str) -> None:
 def test_typed_settings_and_other_any_parameters_pass() -> None:
     source = "def f(settings: Settings, config: Any, **extra: Any) -> None:\n    pass\n"
     assert untyped_settings(source, "rewards.cli") == []
+
+
+def test_the_slow_first_order_names_existing_test_files():
+    from tests.conftest import SLOW_FIRST
+
+    assert [name for name in SLOW_FIRST if not (ROOT / name).is_file()] == []
