@@ -1,9 +1,10 @@
 """A Docker daemon of the test suite's own, and the local base images tests/test_image.py builds on.
 
 The daemon listens on its own socket and keeps its pid file and runtime state in ``STATE`` (removed when it
-stops), and its images, layers and build cache in ``DATA_ROOT``, outside the repository and kept between runs: a
-rerun on the same machine then rebuilds only what changed (seconds) instead of everything (minutes). A machine that
-has never run the test starts from an empty data root and builds it all.
+stops, with the bridges and iptables chains it added to the host), and its images, layers and build cache in
+``DATA_ROOT``, outside the repository and kept between runs: a rerun on the same machine then rebuilds only what
+changed (seconds) instead of everything (minutes). A machine that has never run the test starts from an empty data
+root and builds it all.
 
 No image registry is needed: Debian's root file system comes from ``debootstrap`` (through Debian's package
 mirror) and is imported as an image; Python and PostgreSQL are installed on it from Debian's packages.
@@ -110,12 +111,55 @@ def _forward_policy(policy: str | None = None) -> str | None:
     return first[0].split()[-1] if first and first[0].startswith("-P FORWARD") else None
 
 
+HostNetwork = tuple[frozenset[str], dict[str, frozenset[str]]]
+# What dockerd adds to the host's network: its bridges (docker0, a compose network's br-…) and their veth ends.
+DOCKER_LINKS = ("docker0", "br-", "veth")
+
+
+def _iptables(table: str, *args: str) -> subprocess.CompletedProcess[str]:
+    iptables = shutil.which("iptables") or "iptables"
+    return subprocess.run([iptables, "-t", table, *args], capture_output=True, text=True, timeout=30, check=False)
+
+
+def _host_network() -> HostNetwork:
+    """The host's network interfaces, and per iptables table its chains and rules (``iptables -S`` lines)."""
+    links = frozenset(p.name for p in Path("/sys/class/net").iterdir())
+    tables = ("filter", "nat") if shutil.which("iptables") else ()
+    return links, {table: frozenset(_iptables(table, "-S").stdout.splitlines()) for table in tables}
+
+
+def _remove_new_network(before: HostNetwork) -> None:
+    """Remove the bridges, iptables chains and rules the daemon added (what was not there before it started)."""
+    links, tables = _host_network()
+    for link in sorted(links - before[0]):
+        if link.startswith(DOCKER_LINKS):
+            subprocess.run(["ip", "link", "delete", link], capture_output=True, timeout=30, check=False)
+    for table, lines in tables.items():
+        added = lines - before[1].get(table, frozenset())
+        chains = sorted(line.split()[1] for line in added if line.startswith("-N "))
+        for rule in sorted(line for line in added if line.startswith("-A ")):
+            if rule.split()[1] not in chains:  # the rules of a new chain go with it
+                _iptables(table, "-D", *rule.split()[1:])
+        for flag in ("-F", "-X"):  # every new chain emptied first: they jump to each other
+            for chain in chains:
+                _iptables(table, flag, chain)
+
+
+def _leftovers(before: HostNetwork) -> list[str]:
+    links, tables = _host_network()
+    out = [link for link in sorted(links - before[0]) if link.startswith(DOCKER_LINKS)]
+    for table, lines in tables.items():
+        out += [f"{table}: {line}" for line in sorted(lines - before[1].get(table, frozenset()))]
+    return out
+
+
 @contextmanager
 def daemon(dockerd: str) -> Iterator[None]:
-    """Start the daemon, wait until it answers, and stop it by its pid at the end."""
+    """Start the daemon, wait until it answers, and stop it by its pid at the end, removing what it added to the
+    host's network (bridges, iptables chains; the FORWARD policy it sets to DROP is put back)."""
     _stop_leftover()
-    # dockerd sets the host's FORWARD policy to DROP and leaves it so: it is put back as it was when we stop.
     forward = _forward_policy()
+    network = _host_network()
     shutil.rmtree(STATE, ignore_errors=True)
     STATE.mkdir(parents=True)
     DATA_ROOT.mkdir(parents=True, exist_ok=True)
@@ -144,6 +188,9 @@ def daemon(dockerd: str) -> Iterator[None]:
         shutil.rmtree(STATE, ignore_errors=True)
         if forward is not None and _forward_policy() != forward:
             _forward_policy(forward)
+        _remove_new_network(network)
+        left = _leftovers(network)
+        assert not left, f"the test's dockerd left these on the host: {left}"
 
 
 def image_exists(name: str) -> bool:
