@@ -31,6 +31,7 @@ from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import __version__
+from gateway.api import admin as admin_api
 from gateway.api import docs as docs_api
 from gateway.api import policy as policy_api
 from gateway.api import rollouts as rollouts_api
@@ -55,7 +56,7 @@ from gateway.protocols.openai import routes as openai_routes
 from gateway.protocols.responses import routes as responses_routes
 from gateway.settings import Settings
 from gateway.state import AppState
-from gateway.store import adapter_leases, db, promotion, rollout_lifecycle, spool
+from gateway.store import adapter_leases, db, promotion, retention, rollout_lifecycle, spool
 from gateway.store.errors import InvalidInput, RecordNotFound, is_transient
 from gateway.store.writer import CallWriter
 
@@ -109,6 +110,31 @@ async def close_idle_sessions(
         if closed:
             service.close_rollouts(closed)
             log.info("closed %d idle session rollout(s)", len(closed))
+
+
+async def apply_retention(database: sa.Engine, writer: CallWriter, days: float, interval: float) -> None:
+    """Every ``interval`` seconds, delete the rollouts idle for ``days`` (``retention.prune``) and the spool lines
+    older than that in this process's own spool directory."""
+    fault = Fault(log, "retention: cannot prune captured traffic")
+    window = timedelta(days=days)
+    while True:
+        try:
+            report = await asyncio.to_thread(retention.prune, database, older_than=window)
+            lines, files = await writer.clean_spool(cutoff=datetime.now(UTC) - window)
+        except Exception as exc:  # the database may be down; the next run catches up
+            fault.failed(describe(exc), exc)
+        else:
+            fault.cleared()
+            if report.rows or lines or files:
+                log.info(
+                    "retention (%g days): deleted %d rows (%s), %d spool lines, %d pending files",
+                    days,
+                    report.rows,
+                    ", ".join(f"{n} {table}" for table, n in report.deleted.items() if n),
+                    lines,
+                    files,
+                )
+        await asyncio.sleep(interval)
 
 
 async def report_adapters(database: sa.Engine, gateway_id: str, service: ChatService, interval: float) -> None:
@@ -234,12 +260,19 @@ def serving_state(
 
 
 def start_loops(state: AppState, gateway_id: str) -> list[asyncio.Task[None]]:
-    """The idle-session closer and the adapter heartbeat, running."""
+    """The idle-session closer, the adapter heartbeat and (with CLAWGATE_RETENTION_DAYS) retention, running."""
     settings, database = state.settings, state.db
-    return [
+    tasks = [
         asyncio.create_task(close_idle_sessions(database, state.writer, state.service, settings.session_idle_timeout)),
         asyncio.create_task(report_adapters(database, gateway_id, state.service, settings.adapter_heartbeat_interval)),
     ]
+    if settings.retention_days is not None:
+        tasks.append(
+            asyncio.create_task(
+                apply_retention(database, state.writer, settings.retention_days, settings.retention_interval)
+            )
+        )
+    return tasks
 
 
 async def start_follower(state: AppState, gateway_id: str) -> asyncio.Task[None]:
@@ -329,6 +362,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
     app.include_router(rollouts_api.router)
     app.include_router(system_api.router)
     app.include_router(policy_api.router)
+    app.include_router(admin_api.router)
     app.include_router(console_routes.router)
     app.include_router(docs_api.router)
     app.openapi = lambda: docs_api.openapi_schema(app)  # type: ignore[method-assign]

@@ -2,6 +2,8 @@
 
     clawgate serve        run the gateway (engine: local in-process model, or a vLLM server)
     clawgate db upgrade   bring the database schema to the newest migration (also: downgrade, current)
+    clawgate db prune     delete captured traffic older than a retention window
+    clawgate forget       delete rollouts, sessions or calls and everything derived from them
     clawgate tree ID      print a rollout's reconstructed prefix tree
     clawgate export       rollouts with calls, rewards and trees as JSONL
     clawgate policy       list the policy versions; pin, unpin, roll back the served one
@@ -17,7 +19,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
-from gateway import policy_cli
+from gateway import policy_cli, retention_cli
 from gateway.logs import setup_logging
 from gateway.settings import Settings, environment_of, from_flags
 
@@ -150,6 +152,11 @@ def serve(settings: Settings) -> int:
 def cmd_db(args: argparse.Namespace) -> int:
     from gateway.store import db
 
+    if args.action == "prune":
+        return retention_cli.cmd_prune(args)
+    if args.older_than is not None or args.keep_trained_summaries:
+        print("error: --older-than and --keep-trained-summaries are for `clawgate db prune`", file=sys.stderr)
+        return 2
     url = _db_url(args)
     if args.action == "upgrade":
         db.upgrade(url, args.revision or "head")
@@ -237,15 +244,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add `serve`, `db`, `tree` and `export` to the `clawgate` parser."""
+    """Add `serve`, `db`, `tree`, `export`, `policy` and `forget` to the `clawgate` parser."""
     serve = sub.add_parser("serve", help="run the gateway")
     serve_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
-    dbp = sub.add_parser("db", help="database schema")
-    dbp.add_argument("action", choices=["upgrade", "downgrade", "current"])
+    dbp = sub.add_parser("db", help="database schema, and pruning captured traffic past a retention window")
+    dbp.add_argument("action", choices=["upgrade", "downgrade", "current", "prune"])
     dbp.add_argument("revision", nargs="?", help="target revision (default head; `base` to downgrade all)")
     dbp.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
+    retention_cli.register_prune_flags(dbp)
     dbp.set_defaults(func=cmd_db)
 
     tree = sub.add_parser("tree", help="print a rollout's reconstructed prefix tree and what was filtered")
@@ -266,6 +274,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     export.set_defaults(func=cmd_export)
 
     policy_cli.register(sub)
+    retention_cli.register(sub)
 
 
 __all__ = [

@@ -124,14 +124,6 @@ async def authorize_rollout(request: Request, state: AppState, rollout_id: str) 
         raise Unauthorized("this endpoint needs the admin key or the rollout's key", code="invalid_api_key")
 
 
-# Harness session headers, in priority order after the explicit ones, with the prefix their rollout id gets.
-SESSION_HEADERS = (
-    ("x-claude-code-session-id", "claude-code-"),
-    ("session-id", "codex-"),
-    ("thread-id", "codex-"),
-)
-
-
 def _check_id(value: str, where: str) -> str:
     value = value.strip()
     if not value or len(value) > ROLLOUT_ID_MAX or not value.isprintable() or "/" in value:
@@ -151,7 +143,7 @@ async def rollout_ref(request: Request, state: State) -> RolloutRef:
     elif ROLLOUT_HEADER in headers:
         rollout_id = _check_id(headers[ROLLOUT_HEADER], ROLLOUT_HEADER)
     else:
-        for header, prefix in SESSION_HEADERS:
+        for header, prefix in rollout_lifecycle.SESSION_HEADERS:
             if header in headers:
                 rollout_id = prefix + _check_id(headers[header], header)
                 kind = "session"

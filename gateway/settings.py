@@ -195,6 +195,11 @@ class Settings(BaseSettings):
     # The largest request body accepted (bytes); larger ones get a 413 before they are read whole (0: no limit).
     max_request_bytes: int = Field(default=32 * 1024 * 1024, ge=0)
 
+    # Retention: rollouts with no activity for this many days are deleted with everything derived from them
+    # (``gateway/store/retention.py``), every retention_interval seconds by each gateway; None keeps everything.
+    retention_days: float | None = Field(default=None, gt=0)
+    retention_interval: float = Field(default=3600.0, gt=0)
+
     # Implicit sessions (and harness sessions) count as finished after this many idle seconds.
     session_idle_timeout: float = Field(default=1800.0, gt=0)
     # The session index keeps a turn nobody continued for this many seconds (at most the idle timeout); a later

@@ -4,6 +4,7 @@ from both (``gateway/store/records.py``) for the capture writer, and the reward 
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -79,6 +80,7 @@ def call_record(call: PlannedCall, index: int, engine: str, got: Generated, outc
         request=call.stored_request,
         request_prefix_messages=call.request_prefix_messages,
         parent_call_id=parent.call_id if parent is not None else None,
+        parent_ids=weakref.ref(parent.token_ids) if parent is not None else None,
         prompt_prefix_len=prefix_len,
         prompt_delta=call.prompt_ids[prefix_len:],
         completion_ids=got.ids,

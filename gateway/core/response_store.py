@@ -23,7 +23,7 @@ import asyncio
 import enum
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import sqlalchemy as sa
 
@@ -74,6 +74,11 @@ class ResponseStore:
         if conversation is not None:
             self._conversations.move_to_end(response_id)
         return conversation
+
+    def discard(self, response_ids: Iterable[str]) -> None:
+        """Forget these responses (deleted from the database): a continuation of one is refused as unknown."""
+        for response_id in response_ids:
+            self._conversations.pop(response_id, None)
 
     def was_unstored(self, response_id: str) -> bool:
         """Whether this process knows the response was created with ``store: false``."""

@@ -18,8 +18,9 @@ import sqlalchemy as sa
 
 from gateway.store import spool
 from gateway.store.errors import describe_error, is_transient
-from gateway.store.records import Record, RolloutRecord
-from gateway.store.rows import Prepared, Statements, next_state_link, prepare
+from gateway.store.models import Call
+from gateway.store.records import CallRecord, Record, RolloutRecord
+from gateway.store.rows import Prepared, Statements, as_root, next_state_link, prepare
 
 log = logging.getLogger("clawgate.capture")
 
@@ -165,11 +166,41 @@ class BatchCommitter:
                 except Exception as error:
                     if is_transient(error):
                         raise
+                    if self._stored_as_root(connection, steps, sources):
+                        continue
                     reason = describe_error(error)
                     dead.extend((source, reason) for source in sources)
                     if not sources:
                         log.error("capture rollout row %s failed: %s", row.get("id"), reason)
         return dead
+
+    def _stored_as_root(
+        self, connection: sa.Connection, steps: list[tuple[Any, dict[str, Any]]], sources: list[Record]
+    ) -> bool:
+        """A call whose parent was deleted (a forget or prune ran while it was served) is stored whole, as the first
+        call of its conversation, instead of dead-lettered; True when that worked."""
+        record = sources[0] if len(sources) == 1 else None
+        if not isinstance(record, CallRecord) or record.parent_call_id is None:
+            return False
+        calls = Call.__table__
+        parent_there = connection.execute(
+            sa.select(sa.literal(1)).select_from(calls).where(calls.c.id == record.parent_call_id)
+        ).first()
+        root = None if parent_there is not None else as_root(record)
+        if root is None:
+            return False
+        try:
+            with connection.begin_nested():
+                connection.execute(self._statements.calls, [root])
+                for statement, values in steps[1:]:
+                    if statement is not self._statements.next_state:
+                        connection.execute(statement, [values])
+        except Exception as error:
+            if is_transient(error):
+                raise
+            return False
+        log.info("call %s stored whole: its parent call %s was deleted meanwhile", record.id, record.parent_call_id)
+        return True
 
     def dead_letter(self, dead: list[tuple[Record, str]]) -> None:
         spool.dead_letter(self._spool_dir, dead)

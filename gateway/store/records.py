@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -85,6 +85,11 @@ class CallRecord:
     # A Responses-API answer to store with the call (``models.StoredResponse``): its id, ``previous_id``,
     # ``stored`` and ``items`` (the conversation messages it added, as dicts; None when not stored).
     response: dict[str, Any] | None = None
+    # The parent call's prompt + completion, by weak reference to the session index's array (a queue of records
+    # waiting out a database outage must not keep every conversation's tokens alive): if the parent was deleted
+    # (forgotten, pruned) before this call was committed, the writer stores the call whole, as the first of its
+    # conversation (``rows.as_root``). Not written to spool files: a replayed record goes without it.
+    parent_ids: Callable[[], Sequence[int] | None] | None = field(default=None, metadata={"spool": False})
 
     @property
     def prompt_len(self) -> int:
@@ -132,6 +137,8 @@ def record_to_json(record: Record) -> dict[str, Any]:
     """A JSON-ready dict of a record (datetimes as ISO strings, bytes as base64), tagged with its type."""
     out: dict[str, Any] = {"type": _TYPE_NAMES[type(record)]}
     for f in dataclasses.fields(record):
+        if f.metadata.get("spool", True) is False:
+            continue
         value = getattr(record, f.name)
         out[f.name] = _json_value(list(value) if isinstance(value, tuple) else value)
     return out

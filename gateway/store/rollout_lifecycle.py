@@ -36,6 +36,14 @@ class VersionNotServable(ValueError):
         self.version, self.stage = version, stage
 
 
+# Harness session headers, in priority order after the explicit ones, with the prefix their rollout id gets.
+SESSION_HEADERS = (
+    ("x-claude-code-session-id", "claude-code-"),
+    ("session-id", "codex-"),
+    ("thread-id", "codex-"),
+)
+
+
 def new_rollout_key() -> str:
     return ROLLOUT_KEY_PREFIX + secrets.token_urlsafe(24)
 

@@ -108,6 +108,25 @@ def _call_row(record: CallRecord) -> dict[str, Any]:
     }
 
 
+def as_root(record: CallRecord) -> dict[str, Any] | None:
+    """The row of a call whose parent is gone (forgotten or pruned while it was being served), stored whole: no
+    parent, its full prompt and request. None when the record no longer has its parent's tokens (replayed from a
+    spool file, or the session index let them go)."""
+    parent_ids = record.parent_ids() if record.parent_ids is not None else None
+    if parent_ids is None or record.prompt_prefix_len > len(parent_ids):
+        return None
+    row = _call_row(record)
+    prompt = [*parent_ids[: record.prompt_prefix_len], *record.prompt_delta]
+    row.update(
+        parent_call_id=None,
+        prompt_prefix_len=0,
+        prompt_delta=codec.pack_ids(prompt),
+        request=codec.pack_request(codec.trim_request(record.request, 0)),
+        request_prefix_messages=0,
+    )
+    return row
+
+
 def _response_row(record: CallRecord) -> dict[str, Any]:
     response = record.response
     assert response is not None

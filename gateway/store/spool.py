@@ -14,11 +14,13 @@ process keeps until it exits, so a restarted process replays what a stopped one 
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import fcntl
 import json
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -128,3 +130,103 @@ def _fsync_dir(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _mentions(entry: dict[str, object], ids: frozenset[str]) -> bool:
+    """Whether a dead-letter entry or pending record names one of ``ids`` (as its id, rollout or call)."""
+    record = entry.get("record", entry)
+    if isinstance(record, dict):
+        rollout = record.get("rollout")
+        named = {record.get("id"), record.get("rollout_id"), record.get("call_id"), record.get("parent_call_id")}
+        if isinstance(rollout, dict):
+            named.add(rollout.get("id"))
+        if named & ids:
+            return True
+    line = entry.get("line")
+    return isinstance(line, str) and any(i in line for i in ids)
+
+
+def _older(entry: dict[str, object], cutoff: dt.datetime | None) -> bool:
+    if cutoff is None:
+        return False
+    stamp = entry.get("failed_at")
+    try:
+        return isinstance(stamp, str) and dt.datetime.fromisoformat(stamp) < cutoff
+    except ValueError:
+        return False
+
+
+def _rewrite(path: Path, drop: Callable[[dict[str, object]], bool]) -> int:
+    """Rewrite a JSON-lines file without the lines ``drop`` names (temporary file, fsync, rename); lines removed."""
+    kept: list[str] = []
+    removed = 0
+    with open(path, encoding="utf-8") as file:
+        for line in file:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                entry = {"line": line}
+            if isinstance(entry, dict) and drop(entry):
+                removed += 1
+            else:
+                kept.append(line)
+    if removed:
+        temporary = path.with_name(path.name + ".tmp")
+        with open(temporary, "w", encoding="utf-8") as file:
+            file.writelines(kept)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+        _fsync_dir(path.parent)
+    return removed
+
+
+def clean_dir(
+    spool_dir: Path, *, cutoff: dt.datetime | None = None, ids: frozenset[str] = frozenset()
+) -> tuple[int, int]:
+    """Remove from one spool directory what retention or a forget asks for: dead-letter and pending lines older
+    than ``cutoff`` or naming one of ``ids``; a pending file left empty is deleted. Only the directory's owner may
+    call it (its writer thread, or a process holding its lock). Lines and files removed."""
+    lines = files = 0
+
+    def drop(entry: dict[str, object]) -> bool:
+        return _older(entry, cutoff) or (bool(ids) and _mentions(entry, ids))
+
+    dead = spool_dir / DEAD_LETTER_FILE
+    if dead.is_file():
+        lines += _rewrite(dead, drop)
+    for path in sorted(spool_dir.glob(PENDING_GLOB)):
+        if cutoff is not None and dt.datetime.fromtimestamp(path.stat().st_mtime, dt.UTC) < cutoff:
+            with open(path, encoding="utf-8") as file:
+                lines += sum(1 for line in file if line.strip())
+            path.unlink()
+            files += 1
+            continue
+        if ids:
+            lines += _rewrite(path, lambda entry: _mentions(entry, ids))
+            if path.stat().st_size == 0:
+                path.unlink()
+                files += 1
+    return lines, files
+
+
+def clean_all(
+    base: Path, *, cutoff: dt.datetime | None = None, ids: frozenset[str] = frozenset()
+) -> tuple[int, int, int]:
+    """``clean_dir`` on every spool directory under ``base``'s parent that no running process holds (a running
+    gateway cleans its own: ``CallWriter.clean_spool``). Lines and files removed, and directories skipped."""
+    lines = files = held = 0
+    if not base.parent.is_dir():
+        return 0, 0, 0
+    for path in sorted(base.parent.glob(f"{base.name}*")):
+        if not path.is_dir() or not (path == base or path.name[len(base.name) :].lstrip("-").isdigit()):
+            continue
+        with open(path / LOCK_FILE, "ab") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held += 1
+                continue
+            n_lines, n_files = clean_dir(path, cutoff=cutoff, ids=ids)
+            lines, files = lines + n_lines, files + n_files
+    return lines, files, held

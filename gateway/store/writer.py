@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -183,6 +184,16 @@ class CallWriter:
         self.stats.queued += 1
         if len(self._queue) == 1 or len(self._queue) >= self._batch_size:
             self._wake.set()
+
+    async def clean_spool(
+        self, *, cutoff: dt.datetime | None = None, ids: frozenset[str] = frozenset()
+    ) -> tuple[int, int]:
+        """Remove old or forgotten lines from this writer's own spool directory (``spool.clean_dir``), on the writer's
+        thread, so no dead-letter append runs meanwhile. Lines and files removed."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._executor, lambda: spool.clean_dir(self._spool_dir, cutoff=cutoff, ids=ids)
+        )
 
     async def flush(self) -> None:
         """Wait until every record submitted so far is committed or dead-lettered (at shutdown: or spooled)."""

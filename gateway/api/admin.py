@@ -1,0 +1,56 @@
+"""Admin data-governance routes: forget rollouts, harness sessions or calls (``gateway/store/retention.py``).
+
+``POST /v1/admin/forget`` takes ``{"rollouts": [...], "sessions": [...], "calls": [...]}`` and answers with what it
+deleted, table by table, the spool lines it removed (this gateway's own spool directory, and any no running
+gateway holds) and the policy versions already trained on that data (they cannot be un-trained). Calls queued on
+this gateway are committed first, so a conversation served here a moment ago is forgotten whole, and its stored
+Responses-API answers leave this gateway's cache. Another gateway process may still hold the conversation's last
+turns in memory (for ``CLAWGATE_SESSION_CACHE_IDLE`` seconds, its cached answers until evicted): a continuation it
+serves is recorded as a new conversation, never attached to the deleted rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.deps import AdminAuth, store_caught_up
+from gateway.errors import BadRequest
+from gateway.state import State
+from gateway.store import retention, spool
+
+router = APIRouter()
+
+MAX_IDS = 10_000
+
+
+class ForgetRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rollouts: list[str] = Field(default_factory=list, max_length=MAX_IDS)
+    sessions: list[str] = Field(default_factory=list, max_length=MAX_IDS)
+    calls: list[str] = Field(default_factory=list, max_length=MAX_IDS)
+
+
+@router.post("/v1/admin/forget", dependencies=[AdminAuth])
+async def forget(body: ForgetRequest, state: State) -> dict[str, Any]:
+    if not (body.rollouts or body.sessions or body.calls):
+        raise BadRequest("name at least one of rollouts, sessions or calls to forget", param="rollouts")
+    for name in ("rollouts", "sessions", "calls"):
+        if any(not value.strip() or len(value) > 256 for value in getattr(body, name)):
+            raise BadRequest(f"{name} holds an empty id or one longer than 256 characters", param=name)
+    await store_caught_up(state)
+    report = await asyncio.to_thread(
+        retention.forget, state.db, rollouts=body.rollouts, sessions=body.sessions, calls=body.calls
+    )
+    state.responses.discard(report.response_ids)
+    ids = frozenset(
+        [*body.rollouts, *body.calls, *(r for s in body.sessions for r in retention.session_rollout_ids(s))]
+    )
+    own_lines, own_files = await state.writer.clean_spool(ids=ids)
+    lines, files, _ = await asyncio.to_thread(spool.clean_all, state.settings.data_dir / "spool", ids=ids)
+    report.spool_lines, report.spool_files = own_lines + lines, own_files + files
+    return {"object": "forget.report", **report.as_dict()}

@@ -1,0 +1,472 @@
+"""Retention and forgetting: delete captured conversations and everything derived from them.
+
+``prune(db, older_than=…)`` deletes the rollouts with no activity since the cutoff (``rollouts.updated_at``);
+``forget(db, rollouts=…, sessions=…, calls=…)`` deletes what an operator names. Both delete, per rollout or call:
+
+- the calls (their token ids, logprobs and request bodies) and, for a forgotten call, every call that continued
+  it (``parent_call_id``, transitively, in any rollout): a continuation's prompt holds the forgotten text, and it
+  cannot be rebuilt without its parent anyway;
+- the rewards, judgements, trained-turn and trained-rollout rows that name them, the Responses-API answers stored
+  with them and the answers that continued those (``previous_id``);
+- the rollout row itself, once it has no calls left (a rollout named whole always goes).
+
+What stays: policy versions, adapters, train steps and promotion decisions (weights, metrics and counts, no
+text). A version already trained on deleted data cannot be un-trained: the report lists those versions.
+
+Prune keeps a rollout whose calls a newer, still-kept conversation continues (the child's prompt is stored as a
+delta against them); it goes once that conversation ages out too. ``keep_trained_summaries`` keeps, for rollouts
+that were trained on, the rollout row, its rollout-level rewards and its trained-rollout rows (what was trained,
+when, with which advantage), and deletes their calls and everything per call.
+
+Deletion runs in small transactions (``BATCH_CALLS`` calls at most), children before parents, so capture waits
+for at most one of them (SQLite) or not at all (Postgres: row locks only). A transaction that a concurrent
+capture made fail (a new call or reward naming a row being deleted) is retried with the batch read again; the
+capture writer stores a call whose parent was deleted under it as a conversation of its own (``batch_commit``).
+Running either twice deletes nothing the second time.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+
+from gateway.store.models import (
+    Call,
+    Judgement,
+    Reward,
+    Rollout,
+    StoredResponse,
+    TrainedRollout,
+    TrainedTurn,
+    utcnow,
+)
+from gateway.store.rollout_lifecycle import SESSION_HEADERS
+
+log = logging.getLogger("clawgate.retention")
+
+# Rows named in one IN list (well under SQLite's 32,766 bound variables and Postgres's 65,535).
+CHUNK = 500
+# Calls deleted in one transaction at most (a rollout larger than this is still deleted in one).
+BATCH_CALLS = 2000
+# Tries of one batch that concurrent capture keeps making fail, before the error is raised.
+MAX_TRIES = 5
+
+# The tables in the report, in the order rows are deleted.
+TABLES = (
+    "rewards",
+    "judgements",
+    "trained_turns",
+    "trained_rollouts",
+    "stored_responses",
+    "calls",
+    "rollouts",
+)
+
+T = TypeVar("T")
+
+
+@dataclass
+class Report:
+    """What a prune or forget deleted, table by table, and what it could not undo."""
+
+    deleted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TABLES, 0))
+    # Versions trained on deleted calls or rollouts: their weights may still reflect that data.
+    trained_versions: set[int] = field(default_factory=set)
+    # Prune: rollouts older than the cutoff kept because a newer conversation continues them.
+    kept_continued: int = 0
+    # Forget: rollout and call ids asked for that were not there (already deleted, or never).
+    not_found: list[str] = field(default_factory=list)
+    # Responses-API answers deleted (a gateway drops them from its cache: ``ResponseStore.discard``).
+    response_ids: set[str] = field(default_factory=set)
+    # Spool files: dead-letter lines and pending files removed.
+    spool_lines: int = 0
+    spool_files: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: Report) -> None:
+        """Count a committed batch's ``other`` in."""
+        for name, n in other.deleted.items():
+            self.deleted[name] += n
+        self.trained_versions |= other.trained_versions
+        self.response_ids |= other.response_ids
+        self.kept_continued += other.kept_continued
+
+    @property
+    def rows(self) -> int:
+        return sum(self.deleted.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "deleted": dict(self.deleted),
+            "rows": self.rows,
+            "trained_versions": sorted(self.trained_versions),
+            "kept_continued": self.kept_continued,
+            "not_found": self.not_found,
+            "spool_lines": self.spool_lines,
+            "spool_files": self.spool_files,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+class NothingToForget(ValueError):
+    """``forget`` was given no id at all."""
+
+
+def _chunks(values: Sequence[T], size: int = CHUNK) -> Iterator[Sequence[T]]:
+    for start in range(0, len(values), size):
+        yield values[start : start + size]
+
+
+def _tables() -> dict[str, sa.Table]:
+    models: Iterable[Any] = (Reward, Judgement, TrainedTurn, TrainedRollout, StoredResponse, Call, Rollout)
+    return {model.__tablename__: model.__table__ for model in models}
+
+
+def _descendants(connection: sa.Connection, call_ids: set[str]) -> dict[str, str | None]:
+    """``call_ids`` and every call that continues one of them, transitively: id → parent id."""
+    calls = Call.__table__
+    found: dict[str, str | None] = {}
+    frontier = sorted(call_ids)
+    for chunk in _chunks(frontier):
+        for call_id, parent in connection.execute(
+            sa.select(calls.c.id, calls.c.parent_call_id).where(calls.c.id.in_(chunk))
+        ):
+            found[call_id] = parent
+    frontier = sorted(found)
+    while frontier:
+        children: list[str] = []
+        for chunk in _chunks(frontier):
+            for call_id, parent in connection.execute(
+                sa.select(calls.c.id, calls.c.parent_call_id).where(calls.c.parent_call_id.in_(chunk))
+            ):
+                if call_id not in found:
+                    found[call_id] = parent
+                    children.append(call_id)
+        frontier = children
+    return found
+
+
+def _deepest_first(parents: dict[str, str | None]) -> list[str]:
+    """The calls ordered so that every call comes before its parent (a statement never deletes a parent whose
+    child is still there)."""
+    depth: dict[str, int] = {}
+
+    def depth_of(call_id: str) -> int:
+        chain: list[str] = []
+        current: str | None = call_id
+        while current is not None and current in parents and current not in depth:
+            chain.append(current)
+            current = parents[current]
+        base = depth.get(current, -1) if current is not None else -1
+        for node in reversed(chain):
+            base += 1
+            depth[node] = base
+        return depth[call_id]
+
+    for call_id in parents:
+        depth_of(call_id)
+    return sorted(parents, key=lambda c: depth[c], reverse=True)
+
+
+def _count(result: sa.CursorResult[Any]) -> int:
+    return max(result.rowcount or 0, 0)
+
+
+def _delete_batch(
+    connection: sa.Connection,
+    rollout_ids: Sequence[str],
+    parents: dict[str, str | None],
+    report: Report,
+    *,
+    keep_summaries: set[str] | None = None,
+) -> None:
+    """Delete the calls in ``parents`` (and what names them) and the rollouts in ``rollout_ids``, in one
+    transaction the caller holds. ``keep_summaries``: rollouts whose row, rollout-level rewards and trained rows
+    stay."""
+    t = _tables()
+    keep = keep_summaries or set()
+    calls = list(parents)
+    deleted: dict[str, int] = dict.fromkeys(TABLES, 0)
+
+    # What training already took from them, before the rows that say so go.
+    for chunk in _chunks(calls):
+        report.trained_versions.update(
+            connection.scalars(sa.select(t["trained_turns"].c.version).where(t["trained_turns"].c.call_id.in_(chunk)))
+        )
+    for chunk in _chunks(list(rollout_ids)):
+        report.trained_versions.update(
+            connection.scalars(
+                sa.select(t["trained_rollouts"].c.version).where(t["trained_rollouts"].c.rollout_id.in_(chunk))
+            )
+        )
+
+    # Per call: rows naming a call, and the Responses-API answers stored with it (and those continuing them).
+    responses: set[str] = set()
+    for chunk in _chunks(calls):
+        for name in ("rewards", "judgements", "trained_turns"):
+            table = t[name]
+            deleted[name] += _count(connection.execute(sa.delete(table).where(table.c.call_id.in_(chunk))))
+        responses.update(
+            connection.scalars(sa.select(t["stored_responses"].c.id).where(t["stored_responses"].c.call_id.in_(chunk)))
+        )
+        # A kept call whose next state was a deleted call loses the link (its next state is forgotten too).
+        connection.execute(sa.update(t["calls"]).where(t["calls"].c.next_call_id.in_(chunk)).values(next_call_id=None))
+    frontier = sorted(responses)
+    while frontier:
+        more: list[str] = []
+        for chunk in _chunks(frontier):
+            more.extend(
+                r
+                for r in connection.scalars(
+                    sa.select(t["stored_responses"].c.id).where(t["stored_responses"].c.previous_id.in_(chunk))
+                )
+                if r not in responses
+            )
+        responses.update(more)
+        frontier = more
+    report.response_ids |= responses
+    for chunk in _chunks(sorted(responses)):
+        table = t["stored_responses"]
+        deleted["stored_responses"] += _count(connection.execute(sa.delete(table).where(table.c.id.in_(chunk))))
+
+    # Per rollout: what names the rollout rather than a call.
+    whole = [r for r in rollout_ids if r not in keep]
+    for chunk in _chunks(whole):
+        for name in ("rewards", "judgements", "trained_turns", "trained_rollouts"):
+            table = t[name]
+            deleted[name] += _count(connection.execute(sa.delete(table).where(table.c.rollout_id.in_(chunk))))
+
+    # The calls, children before parents (one statement per chunk; the order makes every chunk valid alone).
+    for chunk in _chunks(_deepest_first(parents)):
+        table = t["calls"]
+        deleted["calls"] += _count(connection.execute(sa.delete(table).where(table.c.id.in_(chunk))))
+
+    for chunk in _chunks(whole):
+        table = t["rollouts"]
+        deleted["rollouts"] += _count(connection.execute(sa.delete(table).where(table.c.id.in_(chunk))))
+
+    for name, n in deleted.items():
+        report.deleted[name] += n
+
+
+def _retrying(db: sa.Engine, work: Callable[[sa.Connection], T]) -> T:
+    """Run ``work`` in a transaction; again (read afresh) when a concurrent capture made it fail."""
+    for attempt in range(1, MAX_TRIES + 1):
+        try:
+            with db.begin() as connection:
+                return work(connection)
+        except (sa.exc.IntegrityError, sa.exc.OperationalError) as error:
+            if attempt == MAX_TRIES:
+                raise
+            log.info("a deletion batch met concurrent capture (%s); trying it again", type(error.orig).__name__)
+            time.sleep(0.05 * attempt)
+    raise AssertionError("unreachable")
+
+
+def _calls_of(connection: sa.Connection, rollout_ids: Sequence[str]) -> dict[str, str | None]:
+    calls = Call.__table__
+    found: dict[str, str | None] = {}
+    for chunk in _chunks(list(rollout_ids)):
+        for call_id, parent in connection.execute(
+            sa.select(calls.c.id, calls.c.parent_call_id).where(calls.c.rollout_id.in_(chunk))
+        ):
+            found[call_id] = parent
+    return found
+
+
+def prune(
+    db: sa.Engine,
+    *,
+    older_than: dt.timedelta,
+    keep_trained_summaries: bool = False,
+    now: dt.datetime | None = None,
+    progress: Callable[[Report], None] | None = None,
+) -> Report:
+    """Delete the rollouts with no activity for ``older_than`` (open ones too: their sessions ended long ago), with
+    everything derived from them (see the module docstring)."""
+    if older_than <= dt.timedelta(0):
+        raise ValueError("older_than must be positive")
+    started = time.perf_counter()
+    cutoff = (now or utcnow()) - older_than
+    report = Report()
+    rollouts = Rollout.__table__
+    calls = Call.__table__
+    after: str | None = None
+    while True:
+        # Keyset pagination over the id: kept rollouts stay behind the cursor, deleted ones are gone.
+        with db.connect() as connection:
+            query = sa.select(rollouts.c.id).where(rollouts.c.updated_at < cutoff)
+            if after is not None:
+                query = query.where(rollouts.c.id > after)
+            ids = list(connection.scalars(query.order_by(rollouts.c.id).limit(CHUNK)))
+        if not ids:
+            break
+        after = ids[-1]
+        position = 0
+        while position < len(ids):
+            # Rollouts of this page until the batch holds BATCH_CALLS calls.
+            batch: list[str] = []
+            with db.connect() as connection:
+                sizes: dict[str, int] = dict(
+                    connection.execute(
+                        sa.select(calls.c.rollout_id, sa.func.count())
+                        .where(calls.c.rollout_id.in_(ids[position:]))
+                        .group_by(calls.c.rollout_id)
+                    ).all()
+                )
+            total = 0
+            while position < len(ids) and (not batch or total + sizes.get(ids[position], 0) <= BATCH_CALLS):
+                batch.append(ids[position])
+                total += sizes.get(ids[position], 0)
+                position += 1
+
+            def work(connection: sa.Connection, batch: list[str] = batch) -> Report:
+                part = Report()
+                # Read again inside the transaction: a rollout that came back to life since is not deleted.
+                alive = set(
+                    connection.scalars(
+                        sa.select(rollouts.c.id).where(rollouts.c.id.in_(batch), rollouts.c.updated_at < cutoff)
+                    )
+                )
+                parents = _calls_of(connection, sorted(alive))
+                while continued := _continued_elsewhere(connection, parents):
+                    part.kept_continued += len(continued)
+                    alive -= continued
+                    parents = _calls_of(connection, sorted(alive))
+                keep: set[str] = set()
+                if keep_trained_summaries and alive:
+                    trained = TrainedRollout.__table__
+                    for chunk in _chunks(sorted(alive)):
+                        keep.update(
+                            connection.scalars(
+                                sa.select(trained.c.rollout_id).where(trained.c.rollout_id.in_(chunk)).distinct()
+                            )
+                        )
+                _delete_batch(connection, sorted(alive), parents, part, keep_summaries=keep)
+                return part
+
+            report.add(_retrying(db, work))
+            if progress is not None:
+                progress(report)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _continued_elsewhere(connection: sa.Connection, parents: dict[str, str | None]) -> set[str]:
+    """The rollouts of the calls in ``parents`` that a call outside ``parents`` continues (prune keeps them whole
+    until that conversation ages out too)."""
+    calls = Call.__table__
+    if not parents:
+        return set()
+    rollout_of: dict[str, str] = {}
+    ids = sorted(parents)
+    for chunk in _chunks(ids):
+        for call_id, rollout_id in connection.execute(
+            sa.select(calls.c.id, calls.c.rollout_id).where(calls.c.id.in_(chunk))
+        ):
+            rollout_of[call_id] = rollout_id
+    kept: set[str] = set()
+    for chunk in _chunks(ids):
+        for child, parent in connection.execute(
+            sa.select(calls.c.id, calls.c.parent_call_id).where(calls.c.parent_call_id.in_(chunk))
+        ):
+            if child not in parents:
+                kept.add(rollout_of[parent])
+    return kept
+
+
+def session_rollout_ids(session_id: str) -> list[str]:
+    """The rollout ids a harness session id may have (``rollout_lifecycle.SESSION_HEADERS``), and the id itself."""
+    prefixes = dict.fromkeys(prefix for _, prefix in SESSION_HEADERS)
+    return [session_id, *(prefix + session_id for prefix in prefixes)]
+
+
+def forget(
+    db: sa.Engine,
+    *,
+    rollouts: Sequence[str] = (),
+    sessions: Sequence[str] = (),
+    calls: Sequence[str] = (),
+    progress: Callable[[Report], None] | None = None,
+) -> Report:
+    """Delete the named rollouts, harness sessions and calls, every call continuing them and everything derived
+    (see the module docstring). Ids that are not there are reported in ``not_found``."""
+    if not (rollouts or sessions or calls):
+        raise NothingToForget("name at least one rollout, session or call to forget")
+    started = time.perf_counter()
+    report = Report()
+    rollout_table, call_table = Rollout.__table__, Call.__table__
+    wanted_rollouts = list(dict.fromkeys(rollouts))
+    session_ids = {s: session_rollout_ids(s) for s in dict.fromkeys(sessions)}
+    with db.connect() as connection:
+        named = [r for ids in session_ids.values() for r in ids] + wanted_rollouts
+        existing: set[str] = set()
+        for chunk in _chunks(named):
+            existing.update(connection.scalars(sa.select(rollout_table.c.id).where(rollout_table.c.id.in_(chunk))))
+        found_calls: set[str] = set()
+        for chunk in _chunks(list(calls)):
+            found_calls.update(connection.scalars(sa.select(call_table.c.id).where(call_table.c.id.in_(chunk))))
+    report.not_found = [r for r in wanted_rollouts if r not in existing]
+    report.not_found += [s for s, ids in session_ids.items() if not existing.intersection(ids)]
+    report.not_found += [c for c in dict.fromkeys(calls) if c not in found_calls]
+    whole = sorted(existing)
+
+    # Rollouts in batches of about BATCH_CALLS calls, then the single calls with their continuations.
+    for chunk in _chunks(whole, 50):
+
+        def drop_rollouts(connection: sa.Connection, chunk: Sequence[str] = chunk) -> Report:
+            part = Report()
+            parents = _descendants(connection, set(_calls_of(connection, chunk)))
+            touched = _rollouts_of(connection, parents) - set(chunk)
+            _delete_batch(connection, chunk, parents, part)
+            _drop_emptied(connection, touched, part)
+            return part
+
+        report.add(_retrying(db, drop_rollouts))
+        if progress is not None:
+            progress(report)
+    if found_calls:
+
+        def drop_calls(connection: sa.Connection) -> Report:
+            part = Report()
+            parents = _descendants(connection, found_calls)
+            touched = _rollouts_of(connection, parents)
+            _delete_batch(connection, [], parents, part)
+            _drop_emptied(connection, touched, part)
+            return part
+
+        report.add(_retrying(db, drop_calls))
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _rollouts_of(connection: sa.Connection, call_ids: Iterable[str]) -> set[str]:
+    calls = Call.__table__
+    out: set[str] = set()
+    for chunk in _chunks(sorted(call_ids)):
+        out.update(connection.scalars(sa.select(calls.c.rollout_id).where(calls.c.id.in_(chunk)).distinct()))
+    return out
+
+
+def _drop_emptied(connection: sa.Connection, touched: set[str], report: Report) -> None:
+    """Rollouts that lost calls to a forget (a continuation in another rollout, a named call) and have none left:
+    deleted too, with their rollout-level rows. Only rollouts this forget touched: one just opened, with no call
+    yet, stays."""
+    calls, rollouts = Call.__table__, Rollout.__table__
+    empty: list[str] = []
+    for chunk in _chunks(sorted(touched)):
+        empty.extend(
+            connection.scalars(
+                sa.select(rollouts.c.id).where(
+                    rollouts.c.id.in_(chunk), ~sa.exists().where(calls.c.rollout_id == rollouts.c.id)
+                )
+            )
+        )
+    if empty:
+        _delete_batch(connection, empty, {}, report)
