@@ -116,11 +116,14 @@ def cache_figures(tokenizer: Any, requests: int = 300) -> None:
           f"hit rate {stats['hits'] / total:.1%} of compilations asked for")  # fmt: skip
 
 
-async def generate_all(engine: Any, prompt: list[int], constraint: Constraint | None, n: int, tokens: int):
-    """``n`` concurrent requests; returns (tokens generated, seconds of decode per the engine or the client)."""
+async def generate_all(
+    engine: Any, prompt: list[int], constraint: Constraint | None, tokens: list[int]
+) -> tuple[list[int], float]:
+    """One request per entry of ``tokens`` (its max_tokens), all at once; returns the tokens each generated and the
+    seconds per token after the first (prefill excluded), averaged over the requests."""
 
     async def one(i: int) -> tuple[int, float]:
-        params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=i, constraint=constraint)
+        params = SamplingParams(max_tokens=tokens[i], temperature=1.0, seed=i, constraint=constraint)
         request = GenerationRequest(f"b{i}-{time.monotonic_ns()}", prompt, params)
         count, first, end = 0, None, None
         async for event in engine.generate(request):
@@ -132,28 +135,27 @@ async def generate_all(engine: Any, prompt: list[int], constraint: Constraint | 
         assert first is not None and end is not None
         return count, end - first
 
-    results = await asyncio.gather(*(one(i) for i in range(n)))
-    generated = sum(c for c, _ in results)
-    # Time per token after the first (prefill excluded), averaged over the batch's requests.
-    per_token = statistics.mean(s / max(c - 1, 1) for c, s in results)
-    return generated, per_token
+    results = await asyncio.gather(*(one(i) for i in range(len(tokens))))
+    return [c for c, _ in results], statistics.mean(s / max(c - 1, 1) for c, s in results)
 
 
 async def decode_figures(engine: Any, tokenizer: Any, label: str, rounds: int = 3) -> None:
-    """Per-token decode time with and without a grammar, one request alone and eight at once. Eight constrained
-    answers end at different lengths (the free ones all run to max_tokens), which costs the in-process engine's
-    batch a cache reshuffle per finished row: the single request shows the grammar's own cost."""
+    """Per-token decode time with and without a grammar, one request alone and eight at once. Constrained answers
+    end where their JSON ends, at different lengths; each free request is then given the length its constrained
+    twin had, so both batches shrink alike (a finished row costs the in-process engine's batch a cache reshuffle)
+    and the difference is the grammar's own cost."""
     prompt = list(tokenizer.apply_chat_template(
         [{"role": "user", "content": "Judge the answer."}], add_generation_prompt=True, tokenize=True, return_dict=False
     ))  # fmt: skip
     constraint = Constraint("json", json_grammar(ANSWER))
-    await generate_all(engine, prompt, None, 8, 8)  # warm-up
-    await generate_all(engine, prompt, constraint, 8, 8)
+    await generate_all(engine, prompt, None, [8] * 8)  # warm-up
+    await generate_all(engine, prompt, constraint, [8] * 8)
     for n in (1, 8):
         free, held = [], []
         for _ in range(rounds):  # interleaved, so both see the same machine load
-            free.append((await generate_all(engine, prompt, None, n, 40))[1])
-            held.append((await generate_all(engine, prompt, constraint, n, 40))[1])
+            lengths, seconds = await generate_all(engine, prompt, constraint, [40] * n)
+            held.append(seconds)
+            free.append((await generate_all(engine, prompt, None, lengths))[1])
         a, b = statistics.median(free), statistics.median(held)
         print(f"decode, {label}, {n} at once: {a * 1e3:.2f} ms/token free, {b * 1e3:.2f} ms/token under a JSON "
               f"schema ({(b / a - 1):+.1%})")  # fmt: skip

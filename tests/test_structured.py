@@ -334,6 +334,31 @@ def masked_logprobs(
     return masked, unmasked
 
 
+def test_batch_bitmasks_mask_each_constrained_row_as_its_own_mask_does(tiny_model_dir):
+    """The local engine masks a decode batch at once (``Grammars.bitmasks`` + ``apply_bitmasks``): each constrained
+    row ends as masking it alone would leave it, a free row is untouched, ids past the grammar's vocabulary go."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from gateway.core.structured import json_grammar
+    from gateway.engines.grammar import Grammars
+    from gateway.engines.sampling import apply_bitmasks, mask_logits
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    grammars = Grammars(tokenizer)
+    first = grammars.matcher(json_grammar({"type": "object", "properties": {"a": {"type": "integer"}}}))
+    second = grammars.matcher(json_grammar({"type": "array", "items": {"type": "boolean"}}))
+    assert second.consume_token(tokenizer.encode("[", add_special_tokens=False)[0])
+    logits = torch.randn(3, grammars.vocab_size + 5)
+    expected = logits.clone()
+    mask_logits(grammars.allowed(first), expected[0])
+    mask_logits(grammars.allowed(second), expected[2])
+    apply_bitmasks(grammars.bitmasks([(first, 0), (second, 2)], 3), logits, [0, 2])
+    assert torch.equal(logits, expected)
+    assert torch.isfinite(logits[1]).all() and not torch.isfinite(logits[0]).all()
+    assert torch.isinf(logits[2, grammars.vocab_size :]).all()
+
+
 def test_a_constrained_answer_records_the_masked_logprobs_and_is_marked(client, gateway, tiny_model_dir):
     """The recorded logprob of each token is the one of the masked distribution it was drawn from: recomputed here
     with a plain forward of the model and the grammar's masks, independently of the engine."""

@@ -6,9 +6,11 @@ forced tool calls need), masks in well under a millisecond a token, and resource
 pathological schema fails instead of stalling. xgrammar would pull in triton (1 GB) on a CPU machine.
 
 Its torch helper applies masks with a ``torch.compile`` kernel (seconds of compilation on the first call on a
-CPU); ``allowed`` unpacks the matcher's bitmask instead, and the local engine applies it with one ``masked_fill``
-(gateway/engines/sampling.py). This module imports no torch: the request core checks grammars with it in a
-gateway that serves through vLLM.
+CPU); ``bitmasks`` fills the masks of a whole decode batch instead, in one call that computes them on the library's
+own threads, and the local engine unpacks and applies them to the batch's logits in a few tensor operations
+(``sampling.apply_bitmasks``): a step of eight constrained rows costs one such call, not eight. ``allowed`` gives
+one matcher's mask as a bool array (for recomputing masked logprobs). This module imports no torch: the request
+core checks grammars with it in a gateway that serves through vLLM.
 
 ``Grammars`` belongs to one tokenizer. ``check`` refuses a grammar the library cannot compile (BadRequest with
 its message); ``matcher`` hands out a fresh matcher per request, copied from a compiled one kept per grammar text
@@ -44,6 +46,7 @@ class Grammars:
         self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self.stats = {"compiles": 0, "hits": 0, "compile_s": 0.0}
+        self._executor: Any = None  # llguidance's thread pool for batch masks, made on first use
 
     def _compiled_matcher(self, grammar: str, param: str) -> LLMatcher:
         from llguidance import LLMatcher
@@ -83,6 +86,18 @@ class Grammars:
     def matcher(self, grammar: str, param: str = "response_format") -> LLMatcher:
         """A fresh matcher at the start of ``grammar``."""
         return self._compiled_matcher(grammar, param).deep_copy()
+
+    def bitmasks(self, rows: list[tuple[LLMatcher, int]], batch: int) -> np.ndarray:
+        """The allowed-token bitmasks of a batch of ``batch`` rows (int32, 32 tokens a word, bit set: allowed): row
+        ``i`` of each ``(matcher, i)`` holds what that matcher allows next; other rows allow everything."""
+        import llguidance
+        import llguidance.numpy
+
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        masks = llguidance.numpy.allocate_token_bitmask(batch, self.vocab_size)
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, masks)
+        return masks
 
     def allowed(self, matcher: LLMatcher) -> np.ndarray:
         """The tokens ``matcher`` allows next, as a bool array over the vocabulary."""

@@ -24,7 +24,7 @@ from gateway.engines import kv_batch
 from gateway.engines.adapters import AdapterCommand, ModelAdapters, resolve
 from gateway.engines.base import FinishReason, GenerationEnd, GenerationEvent, GenerationRequest, TokenDelta
 from gateway.engines.grammar import Grammars, consume
-from gateway.engines.sampling import mask_logits, sample_token
+from gateway.engines.sampling import apply_bitmasks, sample_token
 from gateway.errors import APIError, EngineError, EngineUnavailable, NotFound
 
 logger = logging.getLogger("gateway.engines.local")
@@ -218,9 +218,10 @@ class LocalWorker:
         out = self._model(input_ids=input_ids, past_key_values=cache, use_cache=True, **kwargs)
         seq.cached = len(request.prompt_ids)
         self._stats["requests"] += 1
-        logits = out.logits[0, -1].float()
+        logits = out.logits[:1, -1].float()
         seq.timings["prefill"] = time.perf_counter() - started
-        self._emit(seq, logits)
+        self._mask([seq], logits)
+        self._emit(seq, logits[0])
         if seq.done:
             return
         if not self._running:
@@ -261,6 +262,7 @@ class LocalWorker:
         )
         self._stats["decode_steps"] += 1
         logits = out.logits[:, -1].float()
+        self._mask(rows, logits)
         for i, seq in enumerate(rows):
             seq.cached += 1
             self._emit(seq, logits[i])
@@ -269,13 +271,19 @@ class LocalWorker:
             self._drop_rows(keep)
             self._running = [rows[i] for i in keep]
 
+    def _mask(self, rows: list[LocalSequence], logits: torch.Tensor) -> None:
+        """Mask the logits (``[len(rows), vocab]``) of the rows under a grammar to what it allows next, all rows in
+        one go. Sampled from that masked distribution, a token's recorded logprob is the masked one."""
+        constrained = [(seq.matcher, i) for i, seq in enumerate(rows) if seq.matcher is not None]
+        if not constrained:
+            return
+        assert self._grammars is not None
+        apply_bitmasks(self._grammars.bitmasks(constrained, len(rows)), logits, [i for _, i in constrained])
+
     def _emit(self, seq: LocalSequence, logits: torch.Tensor) -> None:
-        """Sample the next token of ``seq``, send it, and finish the sequence if it stops here."""
+        """Sample the next token of ``seq`` from its (already masked) logits, send it, and finish the sequence if it
+        stops here."""
         params = seq.request.params
-        if seq.matcher is not None:
-            assert self._grammars is not None
-            # Sampled from the distribution masked to what the grammar allows: the logprob recorded is that one's.
-            mask_logits(self._grammars.allowed(seq.matcher), logits)
         token, logprob, top = sample_token(logits, params, seq.generator)
         if seq.matcher is not None:
             consume(seq.matcher, token)
