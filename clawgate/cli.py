@@ -3,6 +3,8 @@
     clawgate serve        run the gateway (engine: local in-process model, or a vLLM server)
     clawgate up           embedded mode: migrate the database, build the tiny model if needed, serve
     clawgate db upgrade   bring the database schema to the newest migration (also: downgrade, current)
+    clawgate db prune     delete captured traffic older than a retention window
+    clawgate forget       delete rollouts, sessions or calls and everything derived from them
     clawgate tree ID      print a rollout's reconstructed prefix tree
     clawgate export       rollouts with calls, rewards and trees as JSONL
     clawgate train        the trainer daemon: GRPO/PPO steps as rollouts become ready; publishes policy@vN
@@ -14,7 +16,7 @@
 Every flag has a ``CLAWGATE_*`` environment variable; a flag given on the command line wins.
 
 Each owner registers its own commands (``register(subparsers)``): the gateway (``gateway/cli.py``: serve, db,
-tree, export), the trainer (``trainer/cli.py``: train), the reward worker (``rewards/cli.py``: judge, turns) and
+tree, export, policy, forget), the trainer (``trainer/cli.py``: train), the reward worker (``rewards/cli.py``: judge, turns) and
 the runner (``runner/cli.py``: rollout). `up` (``up.py``), which runs the others together, and `tiny-model` are
 this package's own.
 """

@@ -388,3 +388,53 @@ def test_dead_letter_and_pending_lines_of_forgotten_ids(tmp_path: Path):
         assert spool.clean_all(base, ids=frozenset({"r2"})) == (0, 0, 1)
     finally:
         lock.close()
+
+
+def test_a_step_whose_data_is_forgotten_before_it_publishes_publishes_nothing_and_forgets_the_update(
+    gateway_factory, tiny_model_dir, tmp_path, monkeypatch
+):
+    """The trainer claimed a batch; an operator forgets one of its rollouts before the step's publish commits. The
+    publish fails on the deleted rows, the policy goes back to the last published weights (the update that saw
+    the forgotten rollout reaches no version), and the next step trains on what is left."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from tests.test_train_step import rollout
+    from trainer import publish
+    from trainer.config import TrainConfig
+    from trainer.step import Trainer
+
+    gw = gateway_factory(admin_key="adm")
+    url = gw.settings.database_url
+    a_hi, a_lo, b_hi, b_lo = (rollout(gw, t, r) for t, r in (("A", 1.0), ("A", 0.0), ("B", 1.0), ("B", 0.0)))
+    engine = connect(url)
+    adapters = tmp_path / "adapters"
+    trainer = Trainer(TrainConfig(database_url=url, model=str(tiny_model_dir), adapter_dir=adapters, lr=0.05), engine)
+    original = publish.record_version
+
+    def forget_first(*args: Any, **kwargs: Any) -> Any:
+        retention.forget(engine, rollouts=[a_hi])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(publish, "record_version", forget_first)
+    with pytest.raises(sa.exc.IntegrityError):
+        trainer.step()
+    monkeypatch.setattr(publish, "record_version", original)
+    v0 = load_file(adapters / "policy@v0" / "adapter_model.safetensors")
+    held = get_peft_model_state_dict(trainer.policy)
+    assert held.keys() == v0.keys() and all(torch_equal(held[k], v0[k]) for k in v0)
+    assert count(engine, "policy_versions", "version > 0") == 0 and count(engine, "trained_rollouts") == 0
+
+    result = trainer.step()
+    assert result is not None and result.version == 1
+    with engine.connect() as conn:
+        trained = set(conn.scalars(sa.text("SELECT rollout_id FROM trained_rollouts")))
+    assert trained and a_hi not in trained and trained <= {a_lo, b_hi, b_lo}
+    assert orphans(engine) == {}
+    engine.dispose()
+
+
+def torch_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return bool(torch.equal(a.detach().cpu(), b.detach().cpu()))

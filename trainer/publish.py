@@ -90,8 +90,8 @@ def recover(db: sa.Engine, adapter_dir: str | Path) -> int | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(source), str(target))
         log.warning(
-            "policy@v%d was written but never recorded (a crash while publishing): moved to %s; its rollouts are "
-            "still unconsumed and will be trained again from the last recorded version",
+            "policy@v%d was written but never recorded (a crash or a failure while publishing): moved to %s; its "
+            "rollouts are still unconsumed and will be trained again from the last recorded version",
             version,
             target,
         )

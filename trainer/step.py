@@ -35,6 +35,7 @@ advantage, and counted in the step's metrics — never silently left behind or r
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import math
@@ -111,30 +112,40 @@ class Trainer:
         plan = StepPlan(data, load_turns(self.db, turn_ids))
         if not plan.rollouts and not plan.turns:
             return None
-        self._screen(plan)
-        metrics = self._critic_step(plan) if cfg.advantage == "critic" else self._policy_gradient_step(plan)
-        metrics.update(plan.figures())
-        consumed, consumed_turns = self._consumed(plan)
-        metrics["rollouts_skipped"] = float(sum(1 for k in plan.skipped if k in consumed))
-        metrics["turns_skipped"] = float(sum(1 for k in plan.skipped if k in consumed_turns))
-        metrics["rollouts_stale"] = float(sum(1 for r in plan.skipped.values() if r.startswith("stale")))
-        version = self.version + 1
-        step_id = self._publish(
-            lora.Manifest(
-                version=version,
-                base_model=cfg.model,
-                step=version,
-                lora=asdict(cfg.lora),
-                rollouts=sorted(consumed),
-                turns=sorted(consumed_turns),
+        try:
+            self._screen(plan)
+            metrics = self._critic_step(plan) if cfg.advantage == "critic" else self._policy_gradient_step(plan)
+            metrics.update(plan.figures())
+            consumed, consumed_turns = self._consumed(plan)
+            metrics["rollouts_skipped"] = float(sum(1 for k in plan.skipped if k in consumed))
+            metrics["turns_skipped"] = float(sum(1 for k in plan.skipped if k in consumed_turns))
+            metrics["rollouts_stale"] = float(sum(1 for r in plan.skipped.values() if r.startswith("stale")))
+            version = self.version + 1
+            step_id = self._publish(
+                lora.Manifest(
+                    version=version,
+                    base_model=cfg.model,
+                    step=version,
+                    lora=asdict(cfg.lora),
+                    rollouts=sorted(consumed),
+                    turns=sorted(consumed_turns),
+                    metrics=metrics,
+                    parent_version=self.parent,
+                ),
+                step=(started, metrics),
+                consumed=consumed,
+                consumed_turns=consumed_turns,
                 metrics=metrics,
-                parent_version=self.parent,
-            ),
-            step=(started, metrics),
-            consumed=consumed,
-            consumed_turns=consumed_turns,
-            metrics=metrics,
-        )
+            )
+        except Exception:
+            # The update is in the policy's weights, but no version holds it (the publish failed: the database went
+            # away, or an operator deleted some of this data meanwhile). Back to the last published weights: the
+            # data still there is trained once, at the next step, and deleted data never reaches a version. The
+            # version's directory, written but not recorded, is set aside so the next step can publish that number.
+            self._reload(self.parent)
+            with contextlib.suppress(Exception):  # the database may be what failed: the next failure tries again
+                publish.recover(self.db, self.config.adapter_dir)
+            raise
         self.version = self.parent = version
         return StepResult(
             step_id,
@@ -332,14 +343,18 @@ class Trainer:
         """Go on from version ``to``'s weights (and value head) without publishing: guarded promotion rejected the
         version the policy holds, so the next step trains from the incumbent instead. The optimizer starts afresh
         (its moments belong to the rejected trajectory)."""
+        self._reload(to)
+        log.info("policy@v%d was rejected: training goes on from the weights of policy@v%d", self.parent, to)
+        self.parent = to
+
+    def _reload(self, to: int) -> None:
+        """The policy (and value head) back to version ``to``'s weights, with a fresh optimizer."""
         path = lora.version_path(self.config.adapter_dir, to)
         lora.load_weights(self.policy, path)
         if self.critic is not None:
             self.critic = self._critic(path)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=0.0)
-        log.info("policy@v%d was rejected: training goes on from the weights of policy@v%d", self.parent, to)
-        self.parent = to
 
     def _critic(self, resumed: Path | None) -> ppo.Critic | None:
         """PPO's value head: the one saved in the version resumed from, else a fresh one (None for GRPO)."""

@@ -268,7 +268,7 @@ class Judgement(Base):
     __tablename__ = "judgements"
 
     call_id: Mapped[str] = mapped_column(sa.String(40), sa.ForeignKey("calls.id"), primary_key=True)
-    rollout_id: Mapped[str] = mapped_column(sa.String(128), sa.ForeignKey("rollouts.id"))
+    rollout_id: Mapped[str] = mapped_column(sa.String(128), sa.ForeignKey("rollouts.id"), index=True)
     # "running" (claimed or waiting for a retry) | "done" | "unparseable" | "failed" (the last three are final)
     status: Mapped[str] = mapped_column(sa.String, index=True)
     attempts: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
@@ -294,7 +294,7 @@ class TrainedTurn(Base):
 
     call_id: Mapped[str] = mapped_column(sa.String(40), sa.ForeignKey("calls.id"), primary_key=True)
     epoch: Mapped[int] = mapped_column(sa.Integer, primary_key=True)
-    rollout_id: Mapped[str] = mapped_column(sa.String(128), sa.ForeignKey("rollouts.id"))
+    rollout_id: Mapped[str] = mapped_column(sa.String(128), sa.ForeignKey("rollouts.id"), index=True)
     step_id: Mapped[int] = mapped_column(sa.Integer, sa.ForeignKey("train_steps.id"), index=True)
     version: Mapped[int] = mapped_column(sa.Integer)
     reward: Mapped[float | None] = mapped_column(sa.Float)
@@ -313,8 +313,8 @@ class StoredResponse(Base):
     __tablename__ = "stored_responses"
 
     id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
-    call_id: Mapped[str | None] = mapped_column(sa.String(40))
-    previous_id: Mapped[str | None] = mapped_column(sa.String(64))
+    call_id: Mapped[str | None] = mapped_column(sa.String(40), index=True)
+    previous_id: Mapped[str | None] = mapped_column(sa.String(64), index=True)
     stored: Mapped[bool] = mapped_column(sa.Boolean)
     items: Mapped[bytes | None] = mapped_column(sa.LargeBinary)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -215,8 +215,20 @@ def _delete_batch(
         responses.update(
             connection.scalars(sa.select(t["stored_responses"].c.id).where(t["stored_responses"].c.call_id.in_(chunk)))
         )
-        # A kept call whose next state was a deleted call loses the link (its next state is forgotten too).
-        connection.execute(sa.update(t["calls"]).where(t["calls"].c.next_call_id.in_(chunk)).values(next_call_id=None))
+    # A kept call whose next state was a deleted call loses the link (its next state is forgotten too). Only a
+    # deleted call's parent can hold such a link (``next_call_id`` is its first continuation): found by id.
+    calls_table = t["calls"]
+    kept_parents = sorted({p for p in parents.values() if p is not None and p not in parents})
+    for chunk in _chunks(kept_parents):
+        linked = [
+            call_id
+            for call_id, next_id in connection.execute(
+                sa.select(calls_table.c.id, calls_table.c.next_call_id).where(calls_table.c.id.in_(chunk))
+            )
+            if next_id in parents
+        ]
+        if linked:
+            connection.execute(sa.update(calls_table).where(calls_table.c.id.in_(linked)).values(next_call_id=None))
     frontier = sorted(responses)
     while frontier:
         more: list[str] = []
