@@ -16,9 +16,9 @@
 Every flag has a ``CLAWGATE_*`` environment variable; a flag given on the command line wins.
 
 Each owner registers its own commands (``register(subparsers)``): the gateway (``gateway/cli.py``: serve, db,
-tree, export, policy, forget), the trainer (``trainer/cli.py``: train), the reward worker (``rewards/cli.py``: judge, turns) and
-the runner (``runner/cli.py``: rollout). `up` (``up.py``), which runs the others together, and `tiny-model` are
-this package's own.
+tree, export, policy, forget), the trainer (``trainer/cli.py``: train), the reward worker (``rewards/cli.py``:
+judge, turns) and the runner (``runner/cli.py``: rollout). `up` (``up.py``), which runs the others together, and
+`tiny-model` are this package's own.
 """
 
 from __future__ import annotations
