@@ -81,13 +81,7 @@ def spool(spool_dir: Path, records: list[Record]) -> Path | None:
     lines = [json.dumps(record_to_json(record)) + "\n" for record in records]
     try:
         spool_dir.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(path.name + ".tmp")
-        with open(temporary, "w", encoding="utf-8") as file:
-            file.writelines(lines)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-        _fsync_dir(spool_dir)
+        _write_whole(path, lines)
     except OSError:
         log.exception("cannot spool %d unwritten capture records; they follow:\n%s", len(records), "".join(lines))
         return None
@@ -121,6 +115,17 @@ def load_pending(spool_dir: Path) -> tuple[list[tuple[Path, list[Record]]], int]
             dead_lettered += len(unreadable)
         loaded.append((path, records))
     return loaded, dead_lettered
+
+
+def _write_whole(path: Path, lines: list[str]) -> None:
+    """Replace ``path`` with ``lines`` at once: a temporary file, fsync'd, renamed over it, the directory fsync'd."""
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w", encoding="utf-8") as file:
+        file.writelines(lines)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+    _fsync_dir(path.parent)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -171,13 +176,7 @@ def _rewrite(path: Path, drop: Callable[[dict[str, object]], bool]) -> int:
             else:
                 kept.append(line)
     if removed:
-        temporary = path.with_name(path.name + ".tmp")
-        with open(temporary, "w", encoding="utf-8") as file:
-            file.writelines(kept)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-        _fsync_dir(path.parent)
+        _write_whole(path, kept)
     return removed
 
 
