@@ -139,7 +139,7 @@ async def generate_all(
     return [c for c, _ in results], statistics.mean(s / max(c - 1, 1) for c, s in results)
 
 
-async def decode_figures(engine: Any, tokenizer: Any, label: str, rounds: int = 3) -> None:
+async def decode_figures(engine: Any, tokenizer: Any, label: str, rounds: int = 7) -> None:
     """Per-token decode time with and without a grammar, one request alone and eight at once. Constrained answers
     end where their JSON ends, at different lengths; each free request is then given the length its constrained
     twin had, so both batches shrink alike (a finished row costs the in-process engine's batch a cache reshuffle)
