@@ -28,6 +28,7 @@ Running either twice deletes nothing the second time.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -178,6 +179,68 @@ def _count(result: sa.CursorResult[Any]) -> int:
     return max(result.rowcount or 0, 0)
 
 
+def _trained_versions(connection: sa.Connection, calls: list[str], rollout_ids: Sequence[str]) -> set[int]:
+    """The versions trained on these calls or rollouts (read before the rows that say so go)."""
+    t = _tables()
+    versions: set[int] = set()
+    for chunk in _chunks(calls):
+        versions.update(
+            connection.scalars(sa.select(t["trained_turns"].c.version).where(t["trained_turns"].c.call_id.in_(chunk)))
+        )
+    for chunk in _chunks(list(rollout_ids)):
+        versions.update(
+            connection.scalars(
+                sa.select(t["trained_rollouts"].c.version).where(t["trained_rollouts"].c.rollout_id.in_(chunk))
+            )
+        )
+    return versions
+
+
+def _unlink_parents(connection: sa.Connection, parents: dict[str, str | None]) -> None:
+    """A kept call whose next state was a deleted call loses the link (its next state is forgotten too). Only a
+    deleted call's parent can hold such a link (``next_call_id`` is its first continuation): found by id."""
+    calls = _tables()["calls"]
+    kept_parents = sorted({p for p in parents.values() if p is not None and p not in parents})
+    for chunk in _chunks(kept_parents):
+        linked = [
+            call_id
+            for call_id, next_id in connection.execute(
+                sa.select(calls.c.id, calls.c.next_call_id).where(calls.c.id.in_(chunk))
+            )
+            if next_id in parents
+        ]
+        if linked:
+            connection.execute(sa.update(calls).where(calls.c.id.in_(linked)).values(next_call_id=None))
+
+
+def _responses_of(connection: sa.Connection, calls: list[str]) -> set[str]:
+    """The Responses-API answers stored with these calls, and every answer continuing one (``previous_id``)."""
+    table = _tables()["stored_responses"]
+    found: set[str] = set()
+    for chunk in _chunks(calls):
+        found.update(connection.scalars(sa.select(table.c.id).where(table.c.call_id.in_(chunk))))
+    frontier = sorted(found)
+    while frontier:
+        more: list[str] = []
+        for chunk in _chunks(frontier):
+            more.extend(
+                r
+                for r in connection.scalars(sa.select(table.c.id).where(table.c.previous_id.in_(chunk)))
+                if r not in found
+            )
+        found.update(more)
+        frontier = more
+    return found
+
+
+def _delete_where(connection: sa.Connection, name: str, column: str, values: Sequence[str]) -> int:
+    """Delete the rows of table ``name`` whose ``column`` is one of ``values``; how many."""
+    table = _tables()[name]
+    return sum(
+        _count(connection.execute(sa.delete(table).where(table.c[column].in_(chunk)))) for chunk in _chunks(values)
+    )
+
+
 def _delete_batch(
     connection: sa.Connection,
     rollout_ids: Sequence[str],
@@ -189,80 +252,27 @@ def _delete_batch(
     """Delete the calls in ``parents`` (and what names them) and the rollouts in ``rollout_ids``, in one
     transaction the caller holds. ``keep_summaries``: rollouts whose row, rollout-level rewards and trained rows
     stay."""
-    t = _tables()
     keep = keep_summaries or set()
     calls = list(parents)
     deleted: dict[str, int] = dict.fromkeys(TABLES, 0)
+    report.trained_versions |= _trained_versions(connection, calls, rollout_ids)
 
-    # What training already took from them, before the rows that say so go.
-    for chunk in _chunks(calls):
-        report.trained_versions.update(
-            connection.scalars(sa.select(t["trained_turns"].c.version).where(t["trained_turns"].c.call_id.in_(chunk)))
-        )
-    for chunk in _chunks(list(rollout_ids)):
-        report.trained_versions.update(
-            connection.scalars(
-                sa.select(t["trained_rollouts"].c.version).where(t["trained_rollouts"].c.rollout_id.in_(chunk))
-            )
-        )
-
-    # Per call: rows naming a call, and the Responses-API answers stored with it (and those continuing them).
-    responses: set[str] = set()
-    for chunk in _chunks(calls):
-        for name in ("rewards", "judgements", "trained_turns"):
-            table = t[name]
-            deleted[name] += _count(connection.execute(sa.delete(table).where(table.c.call_id.in_(chunk))))
-        responses.update(
-            connection.scalars(sa.select(t["stored_responses"].c.id).where(t["stored_responses"].c.call_id.in_(chunk)))
-        )
-    # A kept call whose next state was a deleted call loses the link (its next state is forgotten too). Only a
-    # deleted call's parent can hold such a link (``next_call_id`` is its first continuation): found by id.
-    calls_table = t["calls"]
-    kept_parents = sorted({p for p in parents.values() if p is not None and p not in parents})
-    for chunk in _chunks(kept_parents):
-        linked = [
-            call_id
-            for call_id, next_id in connection.execute(
-                sa.select(calls_table.c.id, calls_table.c.next_call_id).where(calls_table.c.id.in_(chunk))
-            )
-            if next_id in parents
-        ]
-        if linked:
-            connection.execute(sa.update(calls_table).where(calls_table.c.id.in_(linked)).values(next_call_id=None))
-    frontier = sorted(responses)
-    while frontier:
-        more: list[str] = []
-        for chunk in _chunks(frontier):
-            more.extend(
-                r
-                for r in connection.scalars(
-                    sa.select(t["stored_responses"].c.id).where(t["stored_responses"].c.previous_id.in_(chunk))
-                )
-                if r not in responses
-            )
-        responses.update(more)
-        frontier = more
+    # Per call: rows naming a call, the parent's link to it, the Responses-API answers stored with it.
+    for name in ("rewards", "judgements", "trained_turns"):
+        deleted[name] += _delete_where(connection, name, "call_id", calls)
+    _unlink_parents(connection, parents)
+    responses = _responses_of(connection, calls)
     report.response_ids |= responses
-    for chunk in _chunks(sorted(responses)):
-        table = t["stored_responses"]
-        deleted["stored_responses"] += _count(connection.execute(sa.delete(table).where(table.c.id.in_(chunk))))
+    deleted["stored_responses"] += _delete_where(connection, "stored_responses", "id", sorted(responses))
 
     # Per rollout: what names the rollout rather than a call.
     whole = [r for r in rollout_ids if r not in keep]
-    for chunk in _chunks(whole):
-        for name in ("rewards", "judgements", "trained_turns", "trained_rollouts"):
-            table = t[name]
-            deleted[name] += _count(connection.execute(sa.delete(table).where(table.c.rollout_id.in_(chunk))))
+    for name in ("rewards", "judgements", "trained_turns", "trained_rollouts"):
+        deleted[name] += _delete_where(connection, name, "rollout_id", whole)
 
     # The calls, children before parents (one statement per chunk; the order makes every chunk valid alone).
-    for chunk in _chunks(_deepest_first(parents)):
-        table = t["calls"]
-        deleted["calls"] += _count(connection.execute(sa.delete(table).where(table.c.id.in_(chunk))))
-
-    for chunk in _chunks(whole):
-        table = t["rollouts"]
-        deleted["rollouts"] += _count(connection.execute(sa.delete(table).where(table.c.id.in_(chunk))))
-
+    deleted["calls"] += _delete_where(connection, "calls", "id", _deepest_first(parents))
+    deleted["rollouts"] += _delete_where(connection, "rollouts", "id", whole)
     for name, n in deleted.items():
         report.deleted[name] += n
 
@@ -298,6 +308,61 @@ def _calls_of(connection: sa.Connection, rollout_ids: Sequence[str]) -> dict[str
     return found
 
 
+def _old_batches(db: sa.Engine, cutoff: dt.datetime) -> Iterator[list[str]]:
+    """The ids of the rollouts idle since before ``cutoff``, in batches of about BATCH_CALLS calls."""
+    rollouts, calls = Rollout.__table__, Call.__table__
+    after: str | None = None
+    while True:
+        # Keyset pagination over the id: kept rollouts stay behind the cursor, deleted ones are gone.
+        with db.connect() as connection:
+            query = sa.select(rollouts.c.id).where(rollouts.c.updated_at < cutoff)
+            if after is not None:
+                query = query.where(rollouts.c.id > after)
+            ids = list(connection.scalars(query.order_by(rollouts.c.id).limit(CHUNK)))
+            sizes: dict[str, int] = dict(
+                connection.execute(
+                    sa.select(calls.c.rollout_id, sa.func.count())
+                    .where(calls.c.rollout_id.in_(ids))
+                    .group_by(calls.c.rollout_id)
+                ).all()
+            )
+        if not ids:
+            return
+        after = ids[-1]
+        batch: list[str] = []
+        total = 0
+        for rollout_id in ids:
+            if batch and total + sizes.get(rollout_id, 0) > BATCH_CALLS:
+                yield batch
+                batch, total = [], 0
+            batch.append(rollout_id)
+            total += sizes.get(rollout_id, 0)
+        yield batch
+
+
+def _prune_batch(connection: sa.Connection, *, batch: list[str], cutoff: dt.datetime, keep_trained: bool) -> Report:
+    part = Report()
+    rollouts = Rollout.__table__
+    # Read again inside the transaction: a rollout that came back to life since is not deleted.
+    alive = set(
+        connection.scalars(sa.select(rollouts.c.id).where(rollouts.c.id.in_(batch), rollouts.c.updated_at < cutoff))
+    )
+    parents = _calls_of(connection, sorted(alive))
+    while continued := _continued_elsewhere(connection, parents):
+        part.kept_continued += len(continued)
+        alive -= continued
+        parents = _calls_of(connection, sorted(alive))
+    keep: set[str] = set()
+    if keep_trained and alive:
+        trained = TrainedRollout.__table__
+        for chunk in _chunks(sorted(alive)):
+            keep.update(
+                connection.scalars(sa.select(trained.c.rollout_id).where(trained.c.rollout_id.in_(chunk)).distinct())
+            )
+    _delete_batch(connection, sorted(alive), parents, part, keep_summaries=keep)
+    return part
+
+
 def prune(
     db: sa.Engine,
     *,
@@ -313,65 +378,14 @@ def prune(
     started = time.perf_counter()
     cutoff = (now or utcnow()) - older_than
     report = Report()
-    rollouts = Rollout.__table__
-    calls = Call.__table__
-    after: str | None = None
-    while True:
-        # Keyset pagination over the id: kept rollouts stay behind the cursor, deleted ones are gone.
-        with db.connect() as connection:
-            query = sa.select(rollouts.c.id).where(rollouts.c.updated_at < cutoff)
-            if after is not None:
-                query = query.where(rollouts.c.id > after)
-            ids = list(connection.scalars(query.order_by(rollouts.c.id).limit(CHUNK)))
-        if not ids:
-            break
-        after = ids[-1]
-        position = 0
-        while position < len(ids):
-            # Rollouts of this page until the batch holds BATCH_CALLS calls.
-            batch: list[str] = []
-            with db.connect() as connection:
-                sizes: dict[str, int] = dict(
-                    connection.execute(
-                        sa.select(calls.c.rollout_id, sa.func.count())
-                        .where(calls.c.rollout_id.in_(ids[position:]))
-                        .group_by(calls.c.rollout_id)
-                    ).all()
-                )
-            total = 0
-            while position < len(ids) and (not batch or total + sizes.get(ids[position], 0) <= BATCH_CALLS):
-                batch.append(ids[position])
-                total += sizes.get(ids[position], 0)
-                position += 1
-
-            def work(connection: sa.Connection, batch: list[str] = batch) -> Report:
-                part = Report()
-                # Read again inside the transaction: a rollout that came back to life since is not deleted.
-                alive = set(
-                    connection.scalars(
-                        sa.select(rollouts.c.id).where(rollouts.c.id.in_(batch), rollouts.c.updated_at < cutoff)
-                    )
-                )
-                parents = _calls_of(connection, sorted(alive))
-                while continued := _continued_elsewhere(connection, parents):
-                    part.kept_continued += len(continued)
-                    alive -= continued
-                    parents = _calls_of(connection, sorted(alive))
-                keep: set[str] = set()
-                if keep_trained_summaries and alive:
-                    trained = TrainedRollout.__table__
-                    for chunk in _chunks(sorted(alive)):
-                        keep.update(
-                            connection.scalars(
-                                sa.select(trained.c.rollout_id).where(trained.c.rollout_id.in_(chunk)).distinct()
-                            )
-                        )
-                _delete_batch(connection, sorted(alive), parents, part, keep_summaries=keep)
-                return part
-
-            report.add(_retrying(db, work))
-            if progress is not None:
-                progress(report)
+    for batch in _old_batches(db, cutoff):
+        report.add(
+            _retrying(
+                db, functools.partial(_prune_batch, batch=batch, cutoff=cutoff, keep_trained=keep_trained_summaries)
+            )
+        )
+        if progress is not None:
+            progress(report)
     report.seconds = time.perf_counter() - started
     return report
 
