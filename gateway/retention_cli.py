@@ -94,7 +94,7 @@ def cmd_forget(args: argparse.Namespace) -> int:
         )
     finally:
         database.dispose()
-    ids = frozenset([*args.rollout, *args.call, *(r for s in args.session for r in retention.session_rollout_ids(s))])
+    ids = retention.named_ids(args.rollout, args.session, args.call)
     report.spool_lines, report.spool_files, held = spool.clean_all(settings.data_dir / "spool", ids=ids)
     print_report(report, "forgot", as_json=args.json)
     if held:

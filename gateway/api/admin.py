@@ -47,9 +47,7 @@ async def forget(body: ForgetRequest, state: State) -> dict[str, Any]:
         retention.forget, state.db, rollouts=body.rollouts, sessions=body.sessions, calls=body.calls
     )
     state.responses.discard(report.response_ids)
-    ids = frozenset(
-        [*body.rollouts, *body.calls, *(r for s in body.sessions for r in retention.session_rollout_ids(s))]
-    )
+    ids = retention.named_ids(body.rollouts, body.sessions, body.calls)
     own_lines, own_files = await state.writer.clean_spool(ids=ids)
     lines, files, _ = await asyncio.to_thread(spool.clean_all, state.settings.data_dir / "spool", ids=ids)
     report.spool_lines, report.spool_files = own_lines + lines, own_files + files

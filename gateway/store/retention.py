@@ -419,6 +419,11 @@ def session_rollout_ids(session_id: str) -> list[str]:
     return [session_id, *(prefix + session_id for prefix in prefixes)]
 
 
+def named_ids(rollouts: Sequence[str], sessions: Sequence[str], calls: Sequence[str]) -> frozenset[str]:
+    """Every id a forget names (a session as each rollout id it may have): what spool lines are matched against."""
+    return frozenset([*rollouts, *calls, *(r for s in sessions for r in session_rollout_ids(s))])
+
+
 def forget(
     db: sa.Engine,
     *,
