@@ -40,6 +40,7 @@ from gateway.core.render import Renderer
 from gateway.core.response_store import ResponseStore
 from gateway.core.service import ChatService
 from gateway.core.sessions import SessionIndex
+from gateway.credentials.tokens import record_scanner
 from gateway.dashboard import routes as console_routes
 from gateway.end_of_turn import end_token_ids, generation_eos_ids
 from gateway.engines.base import Engine
@@ -200,8 +201,9 @@ def warn_if_open(settings: Settings) -> None:
         )
 
 
-async def start_writer(settings: Settings, database: sa.Engine, spool_dir: Path) -> CallWriter:
-    """The capture writer, started (it spools to ``spool_dir`` while the database is down)."""
+async def start_writer(settings: Settings, database: sa.Engine, spool_dir: Path, tok: Any) -> CallWriter:
+    """The capture writer, started (it spools to ``spool_dir`` while the database is down); it looks for credentials
+    in each call with ``tok`` unless ``secrets`` is "off"."""
     writer = CallWriter(
         database,
         spool_dir=spool_dir,
@@ -209,6 +211,7 @@ async def start_writer(settings: Settings, database: sa.Engine, spool_dir: Path)
         flush_interval=settings.capture_flush_interval,
         max_queue=settings.capture_max_queue,
         synchronous_commit=settings.capture_synchronous_commit,
+        scanner=None if settings.secrets == "off" else record_scanner(tok),
     )
     await writer.start()
     return writer
@@ -333,7 +336,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
         metrics = Metrics()
         database = db.connect(settings.database_url)
         spool_dir, spool_lock = spool.claim_dir(settings.data_dir / "spool")
-        writer = await start_writer(settings, database, spool_dir)
+        writer = await start_writer(settings, database, spool_dir, tok)
         await eng.start()
         state = app.state.clawgate = serving_state(settings, eng, tok, database, writer, metrics)
         log.info(

@@ -44,6 +44,7 @@ SERVE_FLAGS = (
     "canary_min_turns",
     "promotion_margin",
     "canary_max_seconds",
+    "secrets",
 )
 
 
@@ -92,6 +93,16 @@ def serve_flags(p: argparse.ArgumentParser) -> None:
         "--canary-max-seconds",
         type=float,
         help="a canary undecided this long gets CLAWGATE_CANARY_TIMEOUT_OUTCOME (CLAWGATE_CANARY_MAX_SECONDS)",
+    )
+    secrets_flag(p)
+
+
+def secrets_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--secrets",
+        choices=["exclude", "mask", "off"],
+        help="credentials found in answers: keep the answer out of training (exclude, default), only the "
+        "credential's tokens (mask), or neither, with no scan (off) (CLAWGATE_SECRETS)",
     )
 
 
@@ -184,6 +195,7 @@ def _tree_config(args: argparse.Namespace) -> TreeConfig:
         drop_compaction=not args.keep_compaction,
         keep_subagents=args.keep_subagents,
         max_leaves=args.max_leaves if args.max_leaves > 0 else None,
+        secrets=Settings().secrets,
     )
 
 
@@ -192,6 +204,7 @@ def _tree_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-compaction", action="store_true", help="keep context-compaction branches")
     p.add_argument("--keep-subagents", action="store_true", help="keep sub-agent calls as separate trajectories")
     p.add_argument("--max-leaves", type=int, default=8, help="drop rollouts with more leaves (0: no limit)")
+    p.add_argument("--raw", action="store_true", help="exact token ids of credentials (redacted to -1 otherwise)")
 
 
 def cmd_tree(args: argparse.Namespace) -> int:
@@ -202,7 +215,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
 
     database = db.connect(_db_url(args))
     try:
-        data = load_rollout(database, args.rollout_id, _tree_config(args))
+        data = load_rollout(database, args.rollout_id, _tree_config(args), redact=not args.raw)
     finally:
         database.dispose()
     if data is None:
@@ -229,8 +242,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         ids = rollout_ids(database, status=args.status, limit=args.limit)
         for n, rollout_id in enumerate(ids, 1):
-            record = rollout_lifecycle.detail(database, rollout_id, with_tokens=not args.no_tokens)
-            data = load_rollout(database, rollout_id, _tree_config(args))
+            record = rollout_lifecycle.detail(database, rollout_id, with_tokens=not args.no_tokens, raw=args.raw)
+            data = load_rollout(database, rollout_id, _tree_config(args), redact=not args.raw)
             if data is not None:
                 record["tree"] = data.tree.to_json(include_tokens=not args.no_tokens)
             out.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -124,6 +124,13 @@ async def authorize_rollout(request: Request, state: AppState, rollout_id: str) 
         raise Unauthorized("this endpoint needs the admin key or the rollout's key", code="invalid_api_key")
 
 
+def authorize_raw(request: Request, state: AppState) -> None:
+    """Exact token ids of credentials (``?raw=true``): the admin key only, never a rollout's own key."""
+    key = presented_key(request)
+    if (key is not None and key.startswith(rollout_lifecycle.ROLLOUT_KEY_PREFIX)) or not _is_admin(state, key):
+        raise Forbidden("raw=true (unredacted credentials) needs the admin key", param="raw", code="admin_only")
+
+
 def _check_id(value: str, where: str) -> str:
     value = value.strip()
     if not value or len(value) > ROLLOUT_ID_MAX or not value.isprintable() or "/" in value:

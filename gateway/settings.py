@@ -200,6 +200,12 @@ class Settings(BaseSettings):
     retention_days: float | None = Field(default=None, gt=0)
     retention_interval: float = Field(default=3600.0, gt=0)
 
+    # Credentials in captured traffic (``gateway/credentials``): "exclude" (default) finds them on capture, never
+    # trains on an answer that holds one and redacts them where text is shown; "mask" trains such an answer but leaves
+    # the credential's own tokens out of the loss; "off" neither scans nor excludes (text is still redacted where
+    # shown). Read by the gateways (scanning) and the trainer (what a finding excludes).
+    secrets: Literal["exclude", "mask", "off"] = "exclude"
+
     # Implicit sessions (and harness sessions) count as finished after this many idle seconds.
     session_idle_timeout: float = Field(default=1800.0, gt=0)
     # The session index keeps a turn nobody continued for this many seconds (at most the idle timeout); a later

@@ -324,14 +324,24 @@ def _attach_logprobs(e: _Entry) -> None:
     logprobs = np.asarray(e.call.completion_logprobs, dtype=np.float64).reshape(-1)
     version = -1 if e.call.policy_version is None else e.call.policy_version
     constrained = e.call.constrained
+    trained = np.ones(len(logprobs), dtype=np.bool_)
+    for start, end in e.call.untrained:
+        trained[max(0, start) : max(0, end)] = False
     node: TreeNode | None = e.end_node
     # The prompt end is a node boundary, so the completion covers whole nodes.
     while node is not None and node.depth >= e.prompt_len and node.end > e.prompt_len:
         lo = node.depth - e.prompt_len
-        node.trainable[:] = not constrained
-        node.logprobs[:] = np.nan if constrained else logprobs[lo : lo + len(node.tokens)]
-        node.versions[:] = -1 if constrained else version
-        node.generator = None if constrained else e.call.id
+        hi = lo + len(node.tokens)
+        if constrained:
+            node.trainable[:] = False
+            node.logprobs[:] = np.nan
+            node.versions[:] = -1
+        else:
+            keep = trained[lo:hi]
+            node.trainable[:] = keep
+            node.logprobs[:] = np.where(keep, logprobs[lo:hi], np.nan)
+            node.versions[:] = np.where(keep, version, -1)
+        node.generator = None if constrained or not node.trainable.any() else e.call.id
         node.constrained = constrained
         node = node.parent
 

@@ -33,6 +33,9 @@ class CallView:
     finish_reason: str | None = None
     # Sampled under a grammar: the logprobs are the masked distribution's, so the completion is context.
     constrained: bool = False
+    # Completion positions ``[start, end)`` kept out of the loss: credentials the answer holds (the whole answer under
+    # ``secrets=exclude``, the credential's tokens under "mask"; ``gateway/credentials``).
+    untrained: tuple[tuple[int, int], ...] = ()
 
 
 class TreeNode:

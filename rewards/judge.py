@@ -22,6 +22,7 @@ price list from the internet at import time, which a self-hosted deployment may 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -270,6 +271,11 @@ class Judge:
         try:
             from litellm.litellm_core_utils.logging_worker import GLOBAL_LOGGING_WORKER
         except ImportError:  # another LiteLLM layout: nothing to stop
+            return
+        bound = getattr(GLOBAL_LOGGING_WORKER, "_bound_loop", None)
+        if bound is not None and bound is not asyncio.get_running_loop():
+            # Its tasks belong to an event loop that has ended (an earlier asyncio.run in this process, as in
+            # tests): cancelling them would raise "Event loop is closed", and there is nothing left to stop.
             return
         await GLOBAL_LOGGING_WORKER.stop(discard_pending=True, timeout=5.0)
 

@@ -9,6 +9,9 @@ the harness really answered):
   completion — tool results, the user's next message — or None when the rollout closed without one;
 - ``context``: the call's prompt.
 
+Credentials are replaced by a placeholder naming their kind in all three (``gateway/credentials/redact.py``): this
+text goes to an external judge and to reward functions; ``reply_token_ids`` stay exact.
+
 Long texts keep their start and their end (``clip``), so a 30k-token harness prompt shows its instructions and
 the latest exchange within the configured budget.
 """
@@ -22,7 +25,9 @@ from typing import Any
 import numpy as np
 import sqlalchemy as sa
 
+from gateway.credentials.redact import decode_redacted
 from gateway.store import judgements
+from gateway.store.secret_spans import Span, shifted
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -57,16 +62,19 @@ class TurnView:
         return self.next_state is not None
 
 
-def clip(ids: Sequence[int] | np.ndarray, budget: int, decode: Decode) -> str:
-    """Decode ``ids``; beyond ``budget`` tokens keep the first quarter and the last three quarters of it."""
+def clip(ids: Sequence[int] | np.ndarray, budget: int, decode: Decode, secrets: Sequence[Span] = ()) -> str:
+    """Decode ``ids`` with credentials redacted (``secrets``, their spans, and what a scan of the text finds);
+    beyond ``budget`` tokens keep the first quarter and the last three quarters of it."""
     n = len(ids)
     if n <= budget:
-        return decode(list(ids))
+        return decode_redacted(list(ids), secrets, decode)
     if budget <= 0:
         return f"[{n} tokens left out]"
     head = budget // 4
     tail = budget - head
-    return decode(list(ids[:head])) + f"\n[… {n - head - tail} tokens left out …]\n" + decode(list(ids[n - tail :]))
+    first = decode_redacted(list(ids[:head]), shifted(secrets, 0, head), decode)
+    last = decode_redacted(list(ids[n - tail :]), shifted(secrets, n - tail, tail), decode)
+    return first + f"\n[… {n - head - tail} tokens left out …]\n" + last
 
 
 def load_turn(db: sa.Engine, call_id: str, decode: Decode, limits: Limits = Limits()) -> TurnView:
@@ -81,9 +89,11 @@ def load_turn(db: sa.Engine, call_id: str, decode: Decode, limits: Limits = Limi
         harness=turn.harness,
         policy_version=turn.policy_version,
         finish_reason=turn.finish_reason,
-        context=clip(turn.prompt, limits.context, decode),
-        reply=clip(turn.completion, limits.reply, decode),
-        next_state=None if turn.next_state is None else clip(turn.next_state, limits.next_state, decode),
+        context=clip(turn.prompt, limits.context, decode, turn.prompt_secrets),
+        reply=clip(turn.completion, limits.reply, decode, turn.completion_secrets),
+        next_state=None
+        if turn.next_state is None
+        else clip(turn.next_state, limits.next_state, decode, turn.next_state_secrets),
         reply_token_ids=tuple(turn.completion.tolist()),
         rollout_metadata=turn.rollout_metadata,
     )

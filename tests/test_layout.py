@@ -44,7 +44,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "gateway": ("gateway", "prefix_tree"),
     # Within the gateway, from the bottom up: the store (no HTTP: its errors are its own), the engines (the local
     # engine runs the core's pure detokenizer and stop trimmer in its worker), the request core, the protocols.
-    "gateway.store": ("gateway.store", "gateway.faults", "prefix_tree"),
+    "gateway.store": ("gateway.store", "gateway.faults", "gateway.credentials", "prefix_tree"),
+    # Finding credentials in text and redacting them: pure, for the store, the console, the trainer and the judge.
+    "gateway.credentials": ("gateway.credentials",),
     "gateway.engines": (
         "gateway.engines",
         "gateway.errors",
@@ -70,12 +72,12 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "gateway.protocols.openai": ("gateway.protocols.openai", *PROTOCOL_USES),
     "gateway.protocols.anthropic": ("gateway.protocols.anthropic", *PROTOCOL_USES),
     "gateway.protocols.responses": ("gateway.protocols.responses", *PROTOCOL_USES),
-    "trainer": ("trainer", "prefix_tree", "gateway.store", "gateway.faults"),
-    "trainer.cli": ("trainer", "prefix_tree", "gateway.store", "gateway.faults", *PROCESS_EDGE),
+    "trainer": ("trainer", "prefix_tree", "gateway.store", "gateway.faults", "gateway.credentials"),
+    "trainer.cli": ("trainer", "prefix_tree", "gateway.store", "gateway.faults", "gateway.credentials", *PROCESS_EDGE),
     # The evaluation gate drives the task runner, a client of the gateway's HTTP API.
     "trainer.eval_gate": ("trainer", "prefix_tree", "gateway.store", "gateway.faults", "runner"),
-    "rewards": ("rewards", "gateway.store", "gateway.faults"),
-    "rewards.cli": ("rewards", "gateway.store", "gateway.faults", *PROCESS_EDGE),
+    "rewards": ("rewards", "gateway.store", "gateway.faults", "gateway.credentials"),
+    "rewards.cli": ("rewards", "gateway.store", "gateway.faults", "gateway.credentials", *PROCESS_EDGE),
     "runner": ("runner",),
     "runner.cli": ("runner", *PROCESS_EDGE),
     "migrations": ("migrations", "gateway.store"),

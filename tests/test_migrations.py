@@ -27,6 +27,7 @@ TABLES = {
     "stored_responses",
     "gateway_adapters",
     "promotion_decisions",
+    "secret_findings",
 }
 
 

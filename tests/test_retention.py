@@ -46,6 +46,8 @@ REFERENCES = [
     ("trained_rollouts", "rollout_id", "rollouts", "id"),
     ("trained_rollouts", "step_id", "train_steps", "id"),
     ("stored_responses", "call_id", "calls", "id"),
+    ("secret_findings", "call_id", "calls", "id"),
+    ("secret_findings", "rollout_id", "rollouts", "id"),
     ("stored_responses", "previous_id", "stored_responses", "id"),
 ]
 

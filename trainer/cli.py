@@ -57,6 +57,7 @@ TRAIN_FLAGS = (
     "eval_gate_tasks",
     "eval_gate_harness",
     "eval_gate_n",
+    "secrets",
 )
 # What `clawgate train` builds its settings from.
 TRAIN_SETTINGS = ("model", "database_url", "log_level", "data_dir", "gateway_url", "promotion_margin", *TRAIN_FLAGS)
@@ -156,6 +157,7 @@ def _eval_gate_flags(p: argparse.ArgumentParser) -> None:
 
 
 def train_config(settings: Settings, *, once: bool = False) -> TrainConfig:
+    from prefix_tree import TreeConfig
     from trainer import lora
     from trainer.config import TrainConfig, Trigger
 
@@ -184,6 +186,7 @@ def train_config(settings: Settings, *, once: bool = False) -> TrainConfig:
         gradient_checkpointing=settings.train_gradient_checkpointing,
         advantage=settings.train_advantage,  # TrainConfig settles algorithm and advantage together
         await_judge=settings.awaits_judge,
+        tree=TreeConfig(secrets=settings.secrets),
     )
     return config
 
@@ -375,6 +378,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
     train.add_argument("--allow-empty", action="store_true", help="with --once: exit 0 when nothing was ready")
     train.add_argument("--log-level", help="(CLAWGATE_LOG_LEVEL)")
+    train.add_argument(
+        "--secrets",
+        choices=["exclude", "mask", "off"],
+        help="an answer holding a credential: not trained (exclude, default), trained without the credential's "
+        "tokens (mask), or trained (off) (CLAWGATE_SECRETS)",
+    )
     train_flags(train)
     train.set_defaults(func=cmd_train)
 

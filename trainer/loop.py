@@ -42,7 +42,9 @@ def should_step(trainer: Trainer, *, waited: bool = True) -> tuple[bool, str]:
     ready = readiness(trainer.db, epoch)
     if ready.rollouts >= cfg.min_rollouts and ready.groups >= cfg.min_groups:
         return True, f"{ready.rollouts} rollouts ready in {ready.groups} groups"
-    backlog = turns.backlog(trainer.db, epoch, await_judge=trainer.config.await_judge)
+    backlog = turns.backlog(
+        trainer.db, epoch, await_judge=trainer.config.await_judge, secrets=trainer.config.tree.secrets
+    )
     if backlog.ready >= cfg.min_turns:
         return True, f"{backlog.ready} turns ready"
     age = oldest_ready_age(trainer.db, epoch) if waited else None

@@ -105,7 +105,9 @@ class Trainer:
         t0 = time.perf_counter()
         started = dt.datetime.now(dt.UTC)
         ids = ready_rollouts(self.db, cfg.epoch, cfg.max_rollouts)
-        turn_ids = turns.ready_turns(self.db, cfg.epoch, cfg.max_turns, await_judge=cfg.await_judge)
+        turn_ids = turns.ready_turns(
+            self.db, cfg.epoch, cfg.max_turns, await_judge=cfg.await_judge, secrets=cfg.tree.secrets
+        )
         if not ids and not turn_ids:
             return None
         data = self._hold_lonely([d for d in (load_rollout(self.db, i, cfg.tree) for i in ids) if d is not None])
@@ -213,7 +215,7 @@ class Trainer:
         plan.trained_turns = [t for t in plan.usable_turns if t.call_id in plan.turn_advantages]
         trees: list[RolloutTree] = [d.tree for d in plan.trained]
         credits: list[Credit] = [plan.advantages[d.rollout.id] for d in plan.trained]
-        for _, tree in turn_trees(self.db, plan.trained_turns):
+        for _, tree in turn_trees(self.db, plan.trained_turns, cfg.tree.secrets):
             trees.append(tree)
             credits.append(plan.turn_advantages)
         log.info(
@@ -232,7 +234,7 @@ class Trainer:
         trees: list[RolloutTree] = [d.tree for d in plan.usable]
         rewards: list[float | dict[str, float]] = [cast(float, d.reward) for d in plan.usable]
         turn_rewards = {t.call_id: t.reward.value for t in plan.usable_turns if t.reward is not None}
-        for _, tree in turn_trees(self.db, plan.usable_turns):
+        for _, tree in turn_trees(self.db, plan.usable_turns, self.config.tree.secrets):
             trees.append(tree)
             rewards.append(turn_rewards)
         log.info(

@@ -13,11 +13,12 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 
 from gateway.api.rollouts_wire import CreateRollout, FinishRollout, PostFeedback, PostReward
-from gateway.deps import AdminAuth, authorize_rollout, store_caught_up
+from gateway.deps import AdminAuth, authorize_raw, authorize_rollout, store_caught_up
 from gateway.errors import Conflict, NotFound
 from gateway.state import State
 from gateway.store import console, rollout_lifecycle
 from gateway.store.training_data import load_rollout
+from prefix_tree import TreeConfig
 
 router = APIRouter()
 
@@ -100,18 +101,29 @@ async def list_rollouts(
 
 
 @router.get("/v1/rollouts/{rollout_id}")
-async def get_rollout(rollout_id: str, request: Request, state: State, tokens: bool = True) -> dict[str, Any]:
+async def get_rollout(
+    rollout_id: str, request: Request, state: State, tokens: bool = True, raw: bool = False
+) -> dict[str, Any]:
+    """The rollout's calls and rewards; the token ids of credentials read -1 unless ``raw`` (admin key only)."""
     await authorize_rollout(request, state, rollout_id)
+    if raw:
+        authorize_raw(request, state)
     await store_caught_up(state)
-    return await asyncio.to_thread(rollout_lifecycle.detail, state.db, rollout_id, with_tokens=tokens)
+    return await asyncio.to_thread(rollout_lifecycle.detail, state.db, rollout_id, with_tokens=tokens, raw=raw)
 
 
 @router.get("/v1/rollouts/{rollout_id}/tree")
-async def get_tree(rollout_id: str, request: Request, state: State, tokens: bool = False) -> dict[str, Any]:
-    """The rollout's reconstructed prefix tree: edges with token counts, filtered branches and why, figures."""
+async def get_tree(
+    rollout_id: str, request: Request, state: State, tokens: bool = False, raw: bool = False
+) -> dict[str, Any]:
+    """The rollout's reconstructed prefix tree: edges with token counts, filtered branches and why, figures (with
+    ``tokens``, credentials' ids read -1 unless ``raw``, admin key only)."""
     await authorize_rollout(request, state, rollout_id)
+    if raw:
+        authorize_raw(request, state)
     await store_caught_up(state)
-    data = await asyncio.to_thread(load_rollout, state.db, rollout_id)
+    config = TreeConfig(secrets=state.settings.secrets)
+    data = await asyncio.to_thread(load_rollout, state.db, rollout_id, config, redact=tokens and not raw)
     if data is None:
         raise NotFound(f"rollout {rollout_id!r} not found", param="rollout_id")
     return {"rollout_id": rollout_id, "reward": data.reward, **data.tree.to_json(include_tokens=tokens)}

@@ -23,6 +23,8 @@ import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
+from gateway.credentials.redact import decode_redacted, redact_pieces
+from gateway.credentials.tokens import tokenizer_decode
 from gateway.dashboard import auth, charts
 from gateway.errors import NotFound
 from gateway.policy import apply_change
@@ -32,6 +34,7 @@ from gateway.state import AppState, State
 from gateway.store import console, policy_control, promotion, rollout_lifecycle
 from gateway.store.errors import RecordNotFound
 from gateway.store.readiness import training_counts
+from gateway.store.secret_spans import shifted
 from gateway.store.training_data import load_rollout
 
 router = APIRouter(include_in_schema=False)
@@ -279,9 +282,10 @@ async def rollout_detail(request: Request, state: State, rollout_id: str) -> Res
 
 
 def _rollout_view(state: AppState, rollout_id: str) -> dict[str, Any]:
-    """The rollout's calls decoded (the prompt's new part, the completion token by token), rewards and tree."""
-    data = rollout_lifecycle.detail(state.db, rollout_id, with_tokens=True)
-    tok = state.tokenizer
+    """The rollout's calls decoded (the prompt's new part, the completion token by token), rewards and tree;
+    credentials are shown as placeholders (``gateway/credentials/redact.py``)."""
+    data = rollout_lifecycle.detail(state.db, rollout_id, with_tokens=True, raw=True)
+    decode = tokenizer_decode(state.tokenizer)
     by_id = {c["id"]: c for c in data["calls"]}
     rewards_of: dict[str | None, list[dict[str, Any]]] = {}
     for r in data["rewards"]:
@@ -297,13 +301,17 @@ def _rollout_view(state: AppState, rollout_id: str) -> dict[str, Any]:
                 start = len(before)
         suffix = prompt[start:]
         shown = suffix[-2000:]  # a fresh harness prompt can be 30k tokens: its end is what the model answered
-        pieces = [tok.decode([t], skip_special_tokens=False) for t in c["completion_token_ids"]]
+        spans = [(s["kind"], s["start"], s["end"]) for s in c["secrets"]]
+        shown_from = len(prompt) - len(shown)
+        completion = c["completion_token_ids"]
+        pieces = [decode([t]) for t in completion]
+        pieces = redact_pieces(pieces, shifted(spans, len(prompt), len(completion)))
         calls.append(
             {
-                **c,
+                **{k: v for k, v in c.items() if k not in ("prompt_token_ids", "completion_token_ids")},
                 "prompt_from": start,
                 "prompt_cut": len(suffix) - len(shown),
-                "prompt_text": tok.decode(shown, skip_special_tokens=False),
+                "prompt_text": decode_redacted(shown, shifted(spans, shown_from, len(shown)), decode),
                 "tokens": list(zip(pieces, c["completion_logprobs"], strict=True)),
                 "rewards": rewards_of.get(c["id"], []),
             }

@@ -20,7 +20,7 @@ from gateway.store import spool
 from gateway.store.errors import describe_error, is_transient
 from gateway.store.models import Call
 from gateway.store.records import CallRecord, Record, RolloutRecord
-from gateway.store.rows import Prepared, Statements, as_root, next_state_link, prepare
+from gateway.store.rows import Prepared, Scanner, Statements, as_root, next_state_link, prepare
 
 log = logging.getLogger("clawgate.capture")
 
@@ -34,8 +34,13 @@ class Outcome:
 class BatchCommitter:
     """Commits capture batches on one connection of its own; use from one thread only (see the module docstring)."""
 
-    def __init__(self, engine: sa.Engine, spool_dir: Path, synchronous_commit: str) -> None:
+    def __init__(
+        self, engine: sa.Engine, spool_dir: Path, synchronous_commit: str, scanner: Scanner | None = None
+    ) -> None:
         self._engine = engine
+        # Credentials are looked for here, on the writer's thread: off the request path, and in the transaction that
+        # stores the call, so no reader ever sees a call without its findings.
+        self._scanner = scanner
         self._statements = Statements(engine.dialect.name)
         # Postgres only: set once on the writer's own connection (see _connect), so no other work on the pool
         # runs with it.
@@ -48,7 +53,7 @@ class BatchCommitter:
 
     def prepare_and_commit(self, batch: list[Record], prepared: list[Prepared]) -> Outcome:
         if not prepared:
-            prepared.append(prepare(batch))
+            prepared.append(prepare(batch, self._scanner))
         return self._commit(prepared[0], len(batch))
 
     def _connect(self) -> sa.Connection:
@@ -136,6 +141,8 @@ class BatchCommitter:
                 connection.execute(statements.next_state, links)
         if prepared.responses:
             connection.execute(statements.responses, [row for row, _ in prepared.responses])
+        if prepared.findings:
+            connection.execute(statements.findings, [row for row, _ in prepared.findings])
         if prepared.rewards:
             connection.execute(statements.rewards, [row for row, _ in prepared.rewards])
 
@@ -152,6 +159,7 @@ class BatchCommitter:
             if row["parent_call_id"] is not None:
                 steps.append((statements.next_state, next_state_link(row)))
             steps += [(statements.responses, r) for r, source in prepared.responses if source is record]
+            steps += [(statements.findings, r) for r, source in prepared.findings if source is record]
             rows.append((steps, [record]))
         rows.extend(([(statements.rewards, row)], [record]) for row, record in prepared.rewards)
         dead: list[tuple[Record, str]] = []

@@ -15,7 +15,7 @@ that were the turn's fault (an unparseable answer, a refused request), never out
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session
 
 from gateway.store import codec, policy_versions, repo, turns
 from gateway.store.models import Call, Judgement, Reward, Rollout, TrainedTurn
+from gateway.store.secret_spans import Span, sequence_spans, shifted
 
 
 def utcnow() -> dt.datetime:
@@ -97,6 +98,10 @@ class RecordedTurn:
     next_state: npt.NDArray[np.uint32] | None
     harness: str | None
     rollout_metadata: dict[str, Any] | None
+    # Credentials in each of the three, as (kind, start, end) over its own ids (``secret_spans``).
+    prompt_secrets: list[Span] = field(default_factory=list)
+    completion_secrets: list[Span] = field(default_factory=list)
+    next_state_secrets: list[Span] = field(default_factory=list)
 
 
 def recorded_turn(db: sa.Engine, call_id: str) -> RecordedTurn | None:
@@ -109,12 +114,12 @@ def recorded_turn(db: sa.Engine, call_id: str) -> RecordedTurn | None:
         cache = repo.CallCache(session)
         prompt = repo.full_prompt_array(cache, call)
         next_state: npt.NDArray[np.uint32] | None = None
-        if call.next_call_id is not None:
-            child = session.get(Call, call.next_call_id)
-            start = call.prompt_len + call.completion_len
-            # The child's prompt starts with exactly this call's prompt + completion (that is how it was linked).
-            if child is not None and child.parent_call_id == call.id and child.prompt_prefix_len == start:
-                next_state = repo.full_prompt_array(cache, child)[start:]
+        start = call.prompt_len + call.completion_len
+        child = session.get(Call, call.next_call_id) if call.next_call_id is not None else None
+        # The child's prompt starts with exactly this call's prompt + completion (that is how it was linked).
+        if child is not None and child.parent_call_id == call.id and child.prompt_prefix_len == start:
+            next_state = repo.full_prompt_array(cache, child)[start:]
+        spans = sequence_spans(session, [call] if next_state is None or child is None else [call, child])
         return RecordedTurn(
             call_id=call.id,
             rollout_id=call.rollout_id,
@@ -126,6 +131,11 @@ def recorded_turn(db: sa.Engine, call_id: str) -> RecordedTurn | None:
             next_state=next_state,
             harness=None if rollout is None else rollout.harness,
             rollout_metadata=None if rollout is None else rollout.metadata_,
+            prompt_secrets=shifted(spans[call.id], 0, call.prompt_len),
+            completion_secrets=shifted(spans[call.id], call.prompt_len, call.completion_len),
+            next_state_secrets=[]
+            if next_state is None or child is None
+            else shifted(spans[child.id], start, len(next_state)),
         )
 
 

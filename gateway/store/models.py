@@ -344,3 +344,27 @@ class PromotionDecision(Base):
     evidence: Mapped[dict[str, Any] | None] = mapped_column(JSONValue)
     decided_by: Mapped[str | None] = mapped_column(sa.String)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class SecretFinding(Base):
+    """A credential found in a captured call (``gateway/credentials``): where, and what kind; never its text.
+
+    ``part`` "prompt": token positions ``[start, end)`` in the call's full prompt (found in its ``prompt_delta``);
+    "completion": positions in its completion. A call's answer with a finding is not trained on (``secrets`` mode
+    "exclude"; "mask" leaves only the finding's tokens out of the loss), and its text is redacted where shown.
+    """
+
+    __tablename__ = "secret_findings"
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    call_id: Mapped[str] = mapped_column(sa.String(40), sa.ForeignKey("calls.id"))
+    rollout_id: Mapped[str] = mapped_column(sa.String(128), sa.ForeignKey("rollouts.id"), index=True)
+    part: Mapped[str] = mapped_column(sa.String(16))  # "prompt" | "completion"
+    kind: Mapped[str] = mapped_column(sa.String)
+    start: Mapped[int] = mapped_column(sa.Integer)
+    end: Mapped[int] = mapped_column(sa.Integer)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    # One row per finding however often its batch is replayed (insert-or-ignore); the leading column serves
+    # lookups by call.
+    __table_args__ = (sa.UniqueConstraint("call_id", "part", "start", name="uq_secret_findings_call_id_part_start"),)

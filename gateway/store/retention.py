@@ -42,6 +42,7 @@ from gateway.store.models import (
     Judgement,
     Reward,
     Rollout,
+    SecretFinding,
     StoredResponse,
     TrainedRollout,
     TrainedTurn,
@@ -62,6 +63,7 @@ MAX_TRIES = 5
 TABLES = (
     "rewards",
     "judgements",
+    "secret_findings",
     "trained_turns",
     "trained_rollouts",
     "stored_responses",
@@ -125,7 +127,16 @@ def _chunks(values: Sequence[T], size: int = CHUNK) -> Iterator[Sequence[T]]:
 
 
 def _tables() -> dict[str, sa.Table]:
-    models: Iterable[Any] = (Reward, Judgement, TrainedTurn, TrainedRollout, StoredResponse, Call, Rollout)
+    models: Iterable[Any] = (
+        Reward,
+        Judgement,
+        SecretFinding,
+        TrainedTurn,
+        TrainedRollout,
+        StoredResponse,
+        Call,
+        Rollout,
+    )
     return {model.__tablename__: model.__table__ for model in models}
 
 
@@ -258,7 +269,7 @@ def _delete_batch(
     report.trained_versions |= _trained_versions(connection, calls, rollout_ids)
 
     # Per call: rows naming a call, the parent's link to it, the Responses-API answers stored with it.
-    for name in ("rewards", "judgements", "trained_turns"):
+    for name in ("rewards", "judgements", "secret_findings", "trained_turns"):
         deleted[name] += _delete_where(connection, name, "call_id", calls)
     _unlink_parents(connection, parents)
     responses = _responses_of(connection, calls)

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 from gateway.store import codec, policy_versions, repo
 from gateway.store.errors import InvalidInput, RecordNotFound
 from gateway.store.models import Call, Reward, Rollout, utcnow
+from gateway.store.secret_spans import redact_ids, sequence_spans
 
 ROLLOUT_KEY_PREFIX = "cgr-"
 FINISHED = ("completed", "failed", "aborted")
@@ -310,13 +311,19 @@ def reward_dict(reward: Reward) -> dict[str, Any]:
     }
 
 
-def detail(db: sa.Engine, rollout_id: str, *, with_tokens: bool = True) -> dict[str, Any]:
-    """A rollout with its calls (exact token ids and logprobs, versions, status) and rewards."""
+def detail(db: sa.Engine, rollout_id: str, *, with_tokens: bool = True, raw: bool = False) -> dict[str, Any]:
+    """A rollout with its calls (token ids and logprobs, versions, status) and rewards.
+
+    Each call lists the credentials its tokens hold (``secrets``: kind and positions in prompt + completion); their
+    token ids read -1 unless ``raw``.
+    """
     with Session(db) as session:
         rollout = _get(session, rollout_id)
         cache = repo.CallCache.for_rollout(session, rollout_id)
         calls = []
-        for call in repo.calls_for_rollout(session, rollout_id):
+        rows = repo.calls_for_rollout(session, rollout_id)
+        spans = sequence_spans(session, rows)
+        for call in rows:
             item: dict[str, Any] = {
                 "id": call.id,
                 "request_id": call.request_id,
@@ -339,10 +346,15 @@ def detail(db: sa.Engine, rollout_id: str, *, with_tokens: bool = True) -> dict[
                 "started_at": call.started_at.isoformat(),
                 "ended_at": call.ended_at.isoformat() if call.ended_at else None,
                 "ttft_ms": call.ttft_ms,
+                "secrets": [{"kind": k, "start": a, "end": b} for k, a, b in spans[call.id]],
             }
             if with_tokens:
-                item["prompt_token_ids"] = repo.full_prompt_ids(cache, call)
-                item["completion_token_ids"] = codec.unpack_ids(call.completion_ids)
+                prompt, completion = repo.full_prompt_ids(cache, call), codec.unpack_ids(call.completion_ids)
+                if not raw:
+                    prompt = redact_ids(prompt, spans[call.id])
+                    completion = redact_ids(completion, spans[call.id], offset=call.prompt_len)
+                item["prompt_token_ids"] = prompt
+                item["completion_token_ids"] = completion
                 item["completion_logprobs"] = codec.unpack_logprobs(call.completion_logprobs)
             calls.append(item)
         rewards = [

@@ -9,17 +9,24 @@ and plain inserts for rewards.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
+from gateway.credentials.tokens import COMPLETION, TokenFinding
 from gateway.store import codec
 from gateway.store.errors import describe_error
-from gateway.store.models import Call, Reward, Rollout, StoredResponse
+from gateway.store.models import Call, Reward, Rollout, SecretFinding, StoredResponse
 from gateway.store.records import CallRecord, Record, RewardRecord, RolloutRecord
+
+log = logging.getLogger("clawgate.capture")
+
+# Finds the credentials in a call record (``gateway/credentials/tokens.py``); None: not scanned (``secrets=off``).
+Scanner = Callable[[CallRecord], list[TokenFinding]]
 
 
 @dataclass
@@ -30,6 +37,7 @@ class Prepared:
     calls: list[tuple[dict[str, Any], Record]] = field(default_factory=list)
     rewards: list[tuple[dict[str, Any], Record]] = field(default_factory=list)
     responses: list[tuple[dict[str, Any], Record]] = field(default_factory=list)
+    findings: list[tuple[dict[str, Any], Record]] = field(default_factory=list)
     dead: list[tuple[Record, str]] = field(default_factory=list)
 
 
@@ -156,7 +164,27 @@ def _reward_row(record: RewardRecord) -> dict[str, Any]:
     }
 
 
-def prepare(batch: Iterable[Record]) -> Prepared:
+def _finding_rows(record: CallRecord, scanner: Scanner) -> list[dict[str, Any]]:
+    try:
+        findings = scanner(record)
+    except Exception as error:  # the answer is then taken to hold one: excluded from training, never lost
+        log.warning("call %s: the credential scan failed (%s); its answer is kept out of training", record.id, error)
+        findings = [TokenFinding(COMPLETION, "Scan Failed", 0, len(record.completion_ids))]
+    return [
+        {
+            "call_id": record.id,
+            "rollout_id": record.rollout_id,
+            "part": f.part,
+            "kind": f.kind,
+            "start": f.start,
+            "end": f.end,
+            "created_at": record.ended_at,
+        }
+        for f in findings
+    ]
+
+
+def prepare(batch: Iterable[Record], scanner: Scanner | None = None) -> Prepared:
     prepared = Prepared()
 
     def add_rollout(rollout: RolloutRecord, source: Record) -> None:
@@ -177,6 +205,8 @@ def prepare(batch: Iterable[Record]) -> Prepared:
                 prepared.calls.append((row, record))
                 if record.response is not None:
                     prepared.responses.append((_response_row(record), record))
+                if scanner is not None:
+                    prepared.findings.extend((f, record) for f in _finding_rows(record, scanner))
             elif isinstance(record, RolloutRecord):
                 add_rollout(record, record)
             elif isinstance(record, RewardRecord):
@@ -188,7 +218,7 @@ def prepare(batch: Iterable[Record]) -> Prepared:
     return prepared
 
 
-def _table(model: type[Rollout | Call | Reward | StoredResponse]) -> sa.Table:
+def _table(model: type[Rollout | Call | Reward | StoredResponse | SecretFinding]) -> sa.Table:
     table = model.__table__
     assert isinstance(table, sa.Table)
     return table
@@ -229,3 +259,6 @@ class Statements:
         )
         self.rewards = sa.insert(rewards)
         self.responses = insert(_table(StoredResponse)).on_conflict_do_nothing(index_elements=["id"])
+        self.findings = insert(_table(SecretFinding)).on_conflict_do_nothing(
+            index_elements=["call_id", "part", "start"]
+        )

@@ -6,39 +6,93 @@ too); everything after it (filters, advantages, packing) is a pure function of w
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from gateway.credentials.tokens import COMPLETION
 from gateway.store import codec, repo
-from gateway.store.models import Call, Reward, Rollout
+from gateway.store.models import Call, Reward, Rollout, SecretFinding
+from gateway.store.secret_spans import Span, sequence_spans
 from gateway.store.turns import TurnReward, turn_rewards
 from prefix_tree import CallView, RolloutTree, TreeConfig, build_tree
 
 
-def call_views(session: Session, rollout_id: str, only: set[str] | None = None) -> list[CallView]:
-    """The rollout's calls as the tree needs them (``only``: just these calls)."""
+def answer_findings(session: Session, rollout_id: str) -> dict[str, list[tuple[int, int]]]:
+    """The completion spans of credentials found in the rollout's answers, by call."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    rows = session.execute(
+        sa.select(SecretFinding.call_id, SecretFinding.start, SecretFinding.end).where(
+            SecretFinding.rollout_id == rollout_id, SecretFinding.part == COMPLETION
+        )
+    )
+    for call_id, start, end in rows:
+        out.setdefault(call_id, []).append((start, end))
+    return out
+
+
+def _untrained(spans: list[tuple[int, int]] | None, length: int, secrets: str) -> tuple[tuple[int, int], ...]:
+    if not spans or secrets == "off":
+        return ()
+    return ((0, length),) if secrets == "exclude" else tuple(sorted(spans))
+
+
+def _redacted(ids: npt.NDArray[np.uint32], spans: list[Span], offset: int) -> npt.NDArray[np.int64]:
+    out = ids.astype(np.int64)
+    for _, start, end in spans:
+        out[max(start - offset, 0) : max(end - offset, 0)] = -1
+    return out
+
+
+def call_views(
+    session: Session,
+    rollout_id: str,
+    only: set[str] | None = None,
+    secrets: str = "exclude",
+    *,
+    redact: bool = False,
+) -> list[CallView]:
+    """The rollout's calls as the tree needs them (``only``: just these calls); an answer holding a credential is
+    kept out of the loss as ``secrets`` says (``TreeConfig.secrets``). ``redact``: for showing, not training, the
+    credentials' token ids read -1."""
     cache = repo.CallCache.for_rollout(session, rollout_id)
     calls = repo.calls_for_rollout(session, rollout_id)
     if only is not None:
         calls = [c for c in calls if c.id in only]
-    return [
-        CallView(
-            id=c.id,
-            prompt_ids=repo.full_prompt_array(cache, c),
-            completion_ids=codec.ids_array(c.completion_ids),
-            completion_logprobs=codec.logprobs_array(c.completion_logprobs),
-            started_at=c.started_at.timestamp(),
-            status=c.status,
-            policy_version=c.policy_version,
-            is_subagent=c.is_subagent,
-            agent_id=c.agent_id,
-            finish_reason=c.finish_reason,
-            constrained=c.constrained,
+    findings = answer_findings(session, rollout_id) if secrets != "off" else {}
+    spans = sequence_spans(session, calls) if redact else {}
+
+    def ids(c: Call) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+        prompt, completion = repo.full_prompt_array(cache, c), codec.ids_array(c.completion_ids)
+        if not spans.get(c.id):
+            return prompt, completion
+        return _redacted(prompt, spans[c.id], 0), _redacted(completion, spans[c.id], c.prompt_len)
+
+    views = []
+    for c in calls:
+        prompt_ids, completion_ids = ids(c)
+        views.append(
+            CallView(
+                id=c.id,
+                prompt_ids=prompt_ids,
+                completion_ids=completion_ids,
+                completion_logprobs=codec.logprobs_array(c.completion_logprobs),
+                started_at=c.started_at.timestamp(),
+                status=c.status,
+                policy_version=c.policy_version,
+                is_subagent=c.is_subagent,
+                agent_id=c.agent_id,
+                finish_reason=c.finish_reason,
+                constrained=c.constrained,
+                untrained=_untrained(findings.get(c.id), c.completion_len, secrets),
+            )
         )
-        for c in calls
-    ]
+    return views
 
 
 def rollout_reward(session: Session, rollout_id: str) -> float | None:
@@ -60,12 +114,15 @@ class RolloutData:
     served_versions: list[int | None] = field(default_factory=list)
 
 
-def load_rollout(db: sa.Engine, rollout_id: str, config: TreeConfig | None = None) -> RolloutData | None:
+def load_rollout(
+    db: sa.Engine, rollout_id: str, config: TreeConfig | None = None, *, redact: bool = False
+) -> RolloutData | None:
+    """The rollout's tree; ``redact``: credentials' token ids read -1 (to show it, never to train on it)."""
     with Session(db, expire_on_commit=False) as session:
         rollout = session.get(Rollout, rollout_id)
         if rollout is None:
             return None
-        views = call_views(session, rollout_id)
+        views = call_views(session, rollout_id, secrets=(config or TreeConfig()).secrets, redact=redact)
         tree = build_tree(views, config)
         served = [v.policy_version for v in views if v.status == "ok"]
         return RolloutData(rollout, tree, rollout_reward(session, rollout_id), served)
@@ -106,7 +163,7 @@ def load_turns(db: sa.Engine, call_ids: list[str]) -> list[TurnData]:
     return [TurnData(r[0], r[1], r[2], r[3], r[4], rewards.get(r[0])) for r in rows]
 
 
-def turn_trees(db: sa.Engine, calls: list[TurnData]) -> list[tuple[str, RolloutTree]]:
+def turn_trees(db: sa.Engine, calls: list[TurnData], secrets: str = "exclude") -> list[tuple[str, RolloutTree]]:
     """One tree per rollout holding just the given turns (shared prefixes once; other calls are context)."""
     by_rollout: dict[str, set[str]] = {}
     for t in calls:
@@ -114,7 +171,8 @@ def turn_trees(db: sa.Engine, calls: list[TurnData]) -> list[tuple[str, RolloutT
     out: list[tuple[str, RolloutTree]] = []
     with Session(db) as session:
         for rollout_id, only in sorted(by_rollout.items()):
-            out.append((rollout_id, build_tree(call_views(session, rollout_id, only), TURN_TREE)))
+            views = call_views(session, rollout_id, only, secrets)
+            out.append((rollout_id, build_tree(views, dataclasses.replace(TURN_TREE, secrets=secrets))))
     return out
 
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from gateway.store.models import Call, Judgement, Reward, Rollout, TrainedTurn
+from gateway.credentials.tokens import COMPLETION
+from gateway.store.models import Call, Judgement, Reward, Rollout, SecretFinding, TrainedTurn
 
 # APIs whose calls are conversations (the completions API takes raw prompts: no turns to judge).
 CONVERSATION_APIS = ("chat", "messages", "responses")
@@ -71,16 +72,24 @@ def verdict_in(await_judge: bool) -> sa.ColumnElement[bool]:
     return sa.or_(judged(), Call.api.not_in(CONVERSATION_APIS))
 
 
-def ready(epoch: int, await_judge: bool) -> tuple[sa.ColumnElement[bool], ...]:
-    return (*is_turn(), has_next_state(), rewarded(), not_consumed(epoch), verdict_in(await_judge))
+def secret_in_answer() -> sa.ColumnElement[bool]:
+    """The call's answer holds a credential (``gateway/credentials``)."""
+    return sa.exists().where(SecretFinding.call_id == Call.id, SecretFinding.part == COMPLETION)
 
 
-def ready_turns(db: sa.Engine, epoch: int, limit: int, *, await_judge: bool) -> list[str]:
+def ready(epoch: int, await_judge: bool, secrets: str = "exclude") -> tuple[sa.ColumnElement[bool], ...]:
+    """Ready to train. Under ``secrets="exclude"`` a turn whose answer holds a credential never is: it is not
+    trained, nor counted as consumed."""
+    trainable = (~secret_in_answer(),) if secrets == "exclude" else ()
+    return (*is_turn(), has_next_state(), rewarded(), not_consumed(epoch), verdict_in(await_judge), *trainable)
+
+
+def ready_turns(db: sa.Engine, epoch: int, limit: int, *, await_judge: bool, secrets: str = "exclude") -> list[str]:
     """Ready turns, freshest first (as ``readiness.ready_rollouts``: the backlog ages out through staleness)."""
     query = (
         sa.select(Call.id)
         .join(Rollout, Rollout.id == Call.rollout_id)
-        .where(*ready(epoch, await_judge))
+        .where(*ready(epoch, await_judge, secrets))
         .order_by(Call.started_at.desc(), Call.id.desc())
         .limit(limit)
     )
@@ -98,12 +107,12 @@ class Backlog:
     oldest_ready_age: float | None = None  # seconds since the oldest ready turn was served
 
 
-def backlog(db: sa.Engine, epoch: int, *, await_judge: bool) -> Backlog:
+def backlog(db: sa.Engine, epoch: int, *, await_judge: bool, secrets: str = "exclude") -> Backlog:
     base = sa.select(sa.func.count()).select_from(Call).join(Rollout, Rollout.id == Call.rollout_id)
     pending = (*is_turn(), not_consumed(epoch))
     with Session(db) as session:
         out = Backlog(
-            ready=int(session.scalar(base.where(*ready(epoch, await_judge))) or 0),
+            ready=int(session.scalar(base.where(*ready(epoch, await_judge, secrets))) or 0),
             awaiting_next_state=int(session.scalar(base.where(*pending, ~has_next_state())) or 0),
         )
         if await_judge:
@@ -112,7 +121,7 @@ def backlog(db: sa.Engine, epoch: int, *, await_judge: bool) -> Backlog:
         oldest = session.scalar(
             sa.select(sa.func.min(Call.ended_at))
             .join(Rollout, Rollout.id == Call.rollout_id)
-            .where(*ready(epoch, await_judge))
+            .where(*ready(epoch, await_judge, secrets))
         )
     if oldest is not None:
         out.oldest_ready_age = (dt.datetime.now(dt.UTC) - oldest).total_seconds()

@@ -58,7 +58,7 @@ from gateway.store.errors import (
     is_transient,
 )
 from gateway.store.records import Record
-from gateway.store.rows import Prepared
+from gateway.store.rows import Prepared, Scanner
 from gateway.store.spool import DEAD_LETTER_FILE
 
 log = logging.getLogger("clawgate.capture")
@@ -94,6 +94,7 @@ class CallWriter:
         initial_backoff: float = 0.05,
         max_backoff: float = 5.0,
         synchronous_commit: str = "on",
+        scanner: Scanner | None = None,
     ) -> None:
         if max_queue < 1 or batch_size < 1:
             raise ValueError("max_queue and batch_size must be positive")
@@ -101,7 +102,7 @@ class CallWriter:
             raise ValueError("synchronous_commit must be 'on' or 'off'")
         self._spool_dir = Path(spool_dir)
         # The database side, used only on the writer's thread (``self._executor``).
-        self._committer = BatchCommitter(engine, self._spool_dir, synchronous_commit)
+        self._committer = BatchCommitter(engine, self._spool_dir, synchronous_commit, scanner)
         self._max_queue = max_queue
         self._batch_size = batch_size
         self._flush_interval = flush_interval
