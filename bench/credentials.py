@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gateway.credentials.detect import scan  # noqa: E402
-from gateway.credentials.tokens import record_scanner, tokenizer_decode  # noqa: E402
+from gateway.credentials.tokens import RecordScanner, tokenizer_decode  # noqa: E402
 from gateway.store.records import CallRecord  # noqa: E402
 from gateway.store.rows import prepare  # noqa: E402
 from tests.secret_corpus import ORDINARY, corpus  # noqa: E402
@@ -120,7 +120,7 @@ def main() -> None:
         )
         for n in range(min(100, len(ids) // 1200))
     ]
-    scanner = record_scanner(tok)
+    scanner = RecordScanner(tok)
     plain = timed(lambda r: prepare([r]), records)
     scanned = timed(lambda r: prepare([r], scanner), records)
     print(f"capture rows for a call of 1,000 + 200 tokens: {summary(plain)} without the scan, {summary(scanned)} with")

@@ -54,9 +54,17 @@ def publish(
     path = lora.save_version(policy, adapters, lora.Manifest(version=version, base_model=str(model)))
     save_s = time.perf_counter() - t0
     with Session(engine) as session, session.begin():
-        session.add(PolicyVersion(version=version, adapter_name=lora.version_name(version), path=str(path),
-                                  base_model=str(model), status="published", is_current=False,
-                                  created_at=dt.datetime.now(dt.UTC)))
+        session.add(
+            PolicyVersion(
+                version=version,
+                adapter_name=lora.version_name(version),
+                path=str(path),
+                base_model=str(model),
+                status="published",
+                is_current=False,
+                created_at=dt.datetime.now(dt.UTC),
+            )
+        )
     return save_s, time.time()
 
 
@@ -65,9 +73,18 @@ def run(model: Path, work: Path, *, engine_kind: str, vllm_url: str | None, poll
     url = f"sqlite:///{work / f'{tag}.db'}"
     db.upgrade(url)
     adapters = work / f"adapters-{tag}"
-    settings = Settings(model=str(model), served_model_name="tiny", database_url=url, port=free_port(),
-                        data_dir=work / f"data-{tag}", max_tokens=4, policy_poll_interval=poll,
-                        engine=engine_kind, vllm_url=vllm_url or "http://127.0.0.1:1", vllm_model="tiny")
+    settings = Settings(
+        model=str(model),
+        served_model_name="tiny",
+        database_url=url,
+        port=free_port(),
+        data_dir=work / f"data-{tag}",
+        max_tokens=4,
+        policy_poll_interval=poll,
+        engine=engine_kind,
+        vllm_url=vllm_url or "http://127.0.0.1:1",
+        vllm_model="tiny",
+    )
     gw = Gateway(settings)
     store = db.connect(url)
     policy = lora.new_policy(lora.load_base(str(model)), lora.LoraSettings())
@@ -76,8 +93,10 @@ def run(model: Path, work: Path, *, engine_kind: str, vllm_url: str | None, poll
     def client() -> None:
         with httpx.Client(base_url=gw.url, timeout=60) as c:
             while not stop.is_set():
-                c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 4,
-                                                     "messages": [{"role": "user", "content": "hi"}]})
+                c.post(
+                    "/v1/chat/completions",
+                    json={"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+                )
                 time.sleep(0.02)
 
     thread = threading.Thread(target=client, daemon=True)
@@ -112,8 +131,11 @@ def run(model: Path, work: Path, *, engine_kind: str, vllm_url: str | None, poll
     def fmt(xs: list[float]) -> str:
         return f"median {statistics.median(xs) * 1000:7.1f} ms  max {max(xs) * 1000:7.1f} ms"
 
-    print(f"{engine_kind:6s} poll {poll:4.1f}s  save: {fmt(saves)}  |  load+verify+route: {fmt(swaps)}  |  "
-          f"routed: {fmt(routed)}  |  first call: {fmt(first)}  ({rounds} versions)", flush=True)
+    print(
+        f"{engine_kind:6s} poll {poll:4.1f}s  save: {fmt(saves)}  |  load+verify+route: {fmt(swaps)}  |  "
+        f"routed: {fmt(routed)}  |  first call: {fmt(first)}  ({rounds} versions)",
+        flush=True,
+    )
 
 
 def main() -> int:

@@ -217,8 +217,15 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     port = free_port()
     trace_out = tmp / "tracemalloc.json" if args.tracemalloc else None
-    argv = [str(model), url, str(port), str(tmp / "data"), str(args.max_tokens), str(args.idle_timeout),
-            str(args.cache_idle)]
+    argv = [
+        str(model),
+        url,
+        str(port),
+        str(tmp / "data"),
+        str(args.max_tokens),
+        str(args.idle_timeout),
+        str(args.cache_idle),
+    ]
     server = subprocess.Popen(
         [sys.executable, "-c", SERVER, *argv, str(trace_out or "")],
         cwd=ROOT,

@@ -40,7 +40,7 @@ from gateway.core.render import Renderer
 from gateway.core.response_store import ResponseStore
 from gateway.core.service import ChatService
 from gateway.core.sessions import SessionIndex
-from gateway.credentials.tokens import record_scanner
+from gateway.credentials.tokens import RecordScanner
 from gateway.dashboard import routes as console_routes
 from gateway.end_of_turn import end_token_ids, generation_eos_ids
 from gateway.engines.base import Engine
@@ -211,7 +211,7 @@ async def start_writer(settings: Settings, database: sa.Engine, spool_dir: Path,
         flush_interval=settings.capture_flush_interval,
         max_queue=settings.capture_max_queue,
         synchronous_commit=settings.capture_synchronous_commit,
-        scanner=None if settings.secrets == "off" else record_scanner(tok),
+        scanner=None if settings.secrets == "off" else RecordScanner(tok, drop=settings.secrets == "drop"),
     )
     await writer.start()
     return writer

@@ -94,15 +94,11 @@ def serve_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         help="a canary undecided this long gets CLAWGATE_CANARY_TIMEOUT_OUTCOME (CLAWGATE_CANARY_MAX_SECONDS)",
     )
-    secrets_flag(p)
-
-
-def secrets_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--secrets",
-        choices=["exclude", "mask", "off"],
+        choices=["exclude", "mask", "drop", "off"],
         help="credentials found in answers: keep the answer out of training (exclude, default), only the "
-        "credential's tokens (mask), or neither, with no scan (off) (CLAWGATE_SECRETS)",
+        "credential's tokens (mask); drop: also replace them in what is stored; off: no scan (CLAWGATE_SECRETS)",
     )
 
 

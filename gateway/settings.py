@@ -202,9 +202,10 @@ class Settings(BaseSettings):
 
     # Credentials in captured traffic (``gateway/credentials``): "exclude" (default) finds them on capture, never
     # trains on an answer that holds one and redacts them where text is shown; "mask" trains such an answer but leaves
-    # the credential's own tokens out of the loss; "off" neither scans nor excludes (text is still redacted where
-    # shown). Read by the gateways (scanning) and the trainer (what a finding excludes).
-    secrets: Literal["exclude", "mask", "off"] = "exclude"
+    # the credential's own tokens out of the loss; "drop" also replaces the credential's tokens (with a filler token)
+    # and text in what is stored, which leaves every call whose context held one untrainable; "off" neither scans
+    # nor excludes (text is still redacted where shown). Read by the gateways (scanning) and the trainer.
+    secrets: Literal["exclude", "mask", "drop", "off"] = "exclude"
 
     # Implicit sessions (and harness sessions) count as finished after this many idle seconds.
     session_idle_timeout: float = Field(default=1800.0, gt=0)

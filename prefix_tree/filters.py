@@ -58,14 +58,15 @@ class TreeConfig:
     # More surviving leaves than this drops the whole rollout; None disables the rule.
     max_leaves: int | None = 8
     # What a credential found in an answer keeps out of the loss (``CallView.untrained``, filled by the store):
-    # "exclude" the whole answer, "mask" the credential's tokens, "off" nothing.
+    # "exclude" the whole answer, "mask" the credential's tokens, "drop" the answer of every call whose tokens held
+    # one (its context was changed in storage), "off" nothing.
     secrets: str = "exclude"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_shared_fraction <= 1.0:
             raise ValueError(f"min_shared_fraction must lie in [0, 1], got {self.min_shared_fraction}")
-        if self.secrets not in ("exclude", "mask", "off"):
-            raise ValueError(f"secrets must be exclude, mask or off, got {self.secrets!r}")
+        if self.secrets not in ("exclude", "mask", "drop", "off"):
+            raise ValueError(f"secrets must be exclude, mask, drop or off, got {self.secrets!r}")
         if self.max_leaves is not None and self.max_leaves < 1:
             raise ValueError(f"max_leaves must be at least 1 or None, got {self.max_leaves}")
 

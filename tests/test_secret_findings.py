@@ -343,3 +343,61 @@ def test_a_trees_untrained_span_is_context_and_the_rest_of_the_answer_trains():
     assert trained(()) == [(t, lp, 3) for t, lp in zip(answer, logprobs, strict=True)]
     assert trained(((2, 4),)) == [(10, -0.1, 3), (11, -0.2, 3), (14, -0.5, 3), (15, -0.6, 3)]
     assert trained(((0, len(answer)),)) == []
+
+
+def test_drop_replaces_credentials_in_what_is_stored_and_nothing_around_them_trains(
+    gateway_factory, tiny_tokenizer, store_url
+):
+    from gateway.store import codec
+    from gateway.store.models import StoredResponse
+
+    engine = ScriptedEngine(tiny_tokenizer)
+    gw = gateway_factory(
+        engine=engine, tokenizer=tiny_tokenizer, admin_key="adm", database_url=store_url, secrets="drop"
+    )
+    decode = tokenizer_decode(tiny_tokenizer)
+    client = openai.OpenAI(base_url=gw.url + "/rollouts/ro-drop/v1", api_key="k", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": f"Use this: {BY_NAME['gitlab token'].line}"}]
+    engine.push(f"Done with {BY_NAME['stripe key'].value} too.")
+    first = client.chat.completions.create(model="tiny", messages=messages)
+    assert BY_NAME["stripe key"].value in first.choices[0].message.content, "the client gets the answer as served"
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Thanks."}]
+    engine.push("You are welcome.")
+    client.chat.completions.create(model="tiny", messages=messages)
+    engine.push(f"Your key is {BY_NAME['github token'].value}.")
+    other = openai.OpenAI(base_url=gw.url + "/rollouts/ro-drop-r/v1", api_key="k", max_retries=0)
+    answer = other.responses.create(model="tiny", input="What is my key?")
+    gw.flush()
+
+    db = connect(store_url)
+    try:
+        first_call, second_call = calls_of(db, "ro-drop")
+        assert second_call.parent_call_id == first_call.id and second_call.prompt_prefix_len > first_call.prompt_len
+        raw = httpx.get(f"{gw.url}/v1/rollouts/ro-drop", params={"raw": "true"}, headers=ADMIN).json()
+        for c in raw["calls"]:
+            assert leaked(decode(c["prompt_token_ids"] + c["completion_token_ids"])) == []
+            assert len(c["prompt_token_ids"]) == c["prompt_tokens"], "positions stay where they were"
+            assert "*" * 8 in decode(c["prompt_token_ids"] + c["completion_token_ids"])
+        with Session(db) as session:
+            stored = [codec.unpack_request(c.request) for c in session.scalars(sa.select(Call))]
+            items = [codec.unpack_request(r.items) for r in session.scalars(sa.select(StoredResponse)) if r.items]
+            kinds = set(session.scalars(sa.select(SecretFinding.kind)))
+        assert leaked(json.dumps(stored)) == [] and leaked(json.dumps(items)) == [] and items
+        assert "[secret redacted: dropped]" in json.dumps(stored)
+        assert {"GitLab Token", "Stripe Access Key", "GitHub Token"} <= kinds
+        assert answer.output_text.endswith(f"{BY_NAME['github token'].value}."), "served as generated"
+
+        # Neither call of the conversation trains: the first held credentials, the second's context repeats them.
+        for rollout_id in ("ro-drop", "ro-drop-r"):
+            r = httpx.post(f"{gw.url}/v1/rollouts/{rollout_id}/finish", json={"status": "completed"}, headers=ADMIN)
+            assert r.status_code == 200
+        for call in (first_call, second_call):
+            posted = httpx.post(f"{gw.url}/v1/feedback", json={"call_id": call.id, "value": 1.0}, headers=ADMIN)
+            assert posted.status_code == 201, posted.text
+        assert set(turns.ready_turns(db, 0, 10, await_judge=False, secrets="drop")) == {second_call.id}
+        [(_, tree)] = turn_trees(db, load_turns(db, [second_call.id]), "drop")
+        assert not any(node.trainable.any() for node in tree.nodes)
+        [(_, tree)] = turn_trees(db, load_turns(db, [second_call.id]), "off")
+        assert any(node.trainable.any() for node in tree.nodes), "the control"
+    finally:
+        db.dispose()

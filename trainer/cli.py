@@ -380,9 +380,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--log-level", help="(CLAWGATE_LOG_LEVEL)")
     train.add_argument(
         "--secrets",
-        choices=["exclude", "mask", "off"],
+        choices=["exclude", "mask", "drop", "off"],
         help="an answer holding a credential: not trained (exclude, default), trained without the credential's "
-        "tokens (mask), or trained (off) (CLAWGATE_SECRETS)",
+        "tokens (mask), or trained (off); drop: no call whose tokens held one trains (CLAWGATE_SECRETS)",
     )
     train_flags(train)
     train.set_defaults(func=cmd_train)

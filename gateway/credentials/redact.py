@@ -8,6 +8,7 @@ credential), then a scan of the text as shown, which also covers calls captured 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from gateway.credentials.detect import Finding, scan
 
@@ -32,6 +33,20 @@ def redact_text(text: str, findings: list[Finding] | None = None) -> str:
         at = f.end
     parts.append(text[at:])
     return "".join(parts)
+
+
+def scrubbed(value: Any, texts: Sequence[str] = ()) -> Any:
+    """``value`` (a request body, stored Responses items: JSON data) with every string's credentials replaced: the
+    exact ``texts`` (found in the call's tokens, longest first), then what a scan of the string finds."""
+    if isinstance(value, str):
+        for text in texts:
+            value = value.replace(text, placeholder("dropped"))
+        return redact_text(value)
+    if isinstance(value, dict):
+        return {k: scrubbed(v, texts) for k, v in value.items()}
+    if isinstance(value, list):
+        return [scrubbed(v, texts) for v in value]
+    return value
 
 
 def decode_redacted(ids: Sequence[int], spans: Sequence[Span], decode: Callable[[Sequence[int]], str]) -> str:

@@ -14,10 +14,11 @@ repeated text on its own (a value whose key-like name stayed in the prompt).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.credentials.detect import Finding, scan
+from gateway.credentials.redact import scrubbed
 
 PROMPT, COMPLETION = "prompt", "completion"
 Decode = Callable[[Sequence[int]], str]
@@ -32,6 +33,9 @@ class TokenFinding:
     kind: str
     start: int
     end: int
+    # The characters, for ``secrets=drop`` to replace them in the stored request; in memory only (not in its repr,
+    # never stored).
+    text: str = field(default="", repr=False, compare=False)
 
 
 def tokenizer_decode(tokenizer: Any) -> Decode:
@@ -51,14 +55,20 @@ def tokenizer_decode(tokenizer: Any) -> Decode:
     return decode
 
 
-def record_scanner(tokenizer: Any) -> Callable[[Any], list[TokenFinding]]:
-    """The capture writer's scan of a ``CallRecord``."""
-    decode = tokenizer_decode(tokenizer)
+class RecordScanner:
+    """The capture writer's scan of a ``CallRecord``; with ``drop`` it also removes what it found from the record
+    (``drop_credentials``) before the record becomes rows."""
 
-    def scan_record(record: Any) -> list[TokenFinding]:
-        return scan_call(record.prompt_delta, record.prompt_prefix_len, record.completion_ids, decode)
+    def __init__(self, tokenizer: Any, *, drop: bool = False) -> None:
+        self.drop = drop
+        self._decode = tokenizer_decode(tokenizer)
+        self._filler = filler_token(tokenizer) if drop else 0
 
-    return scan_record
+    def __call__(self, record: Any) -> list[TokenFinding]:
+        found = scan_call(record.prompt_delta, record.prompt_prefix_len, record.completion_ids, self._decode)
+        if self.drop and found:
+            drop_credentials(record, found, self._filler)
+        return found
 
 
 def _first_token_past(ids: Sequence[int], decode: Decode, chars: int) -> int:
@@ -80,8 +90,12 @@ def token_span(ids: Sequence[int], decode: Decode, start: int, end: int) -> tupl
     return first, min(len(ids), max(last + 1, first + 1))
 
 
-def _spans(ids: Sequence[int], decode: Decode, text: str, findings: list[Finding]) -> list[tuple[str, int, int]]:
-    return [(f.kind, *token_span(ids, decode, f.start, f.end)) for f in findings if f.end <= len(text)]
+def _spans(ids: Sequence[int], decode: Decode, text: str, findings: list[Finding]) -> list[tuple[str, int, int, str]]:
+    return [
+        (f.kind, *token_span(ids, decode, f.start, f.end), text[f.start : f.end])
+        for f in findings
+        if f.end <= len(text)
+    ]
 
 
 def scan_call(
@@ -91,8 +105,8 @@ def scan_call(
     found: list[TokenFinding] = []
     prompt_text = decode(prompt_delta) if len(prompt_delta) else ""
     prompt_findings = scan(prompt_text) if prompt_text else []
-    for kind, start, end in _spans(prompt_delta, decode, prompt_text, prompt_findings):
-        found.append(TokenFinding(PROMPT, kind, prompt_offset + start, prompt_offset + end))
+    for kind, start, end, text in _spans(prompt_delta, decode, prompt_text, prompt_findings):
+        found.append(TokenFinding(PROMPT, kind, prompt_offset + start, prompt_offset + end, text))
     if not len(completion_ids):
         return found
     answer = decode(completion_ids)
@@ -106,6 +120,33 @@ def scan_call(
                 answer_findings.append(Finding(f"Repeated {f.kind}", at, at + len(secret)))
             at = answer.find(secret, at + len(secret))
     answer_findings.sort(key=lambda f: f.start)
-    for kind, start, end in _spans(completion_ids, decode, answer, answer_findings):
-        found.append(TokenFinding(COMPLETION, kind, start, end))
+    for kind, start, end, text in _spans(completion_ids, decode, answer, answer_findings):
+        found.append(TokenFinding(COMPLETION, kind, start, end, text))
     return found
+
+
+def drop_credentials(record: Any, findings: list[TokenFinding], filler: int) -> None:
+    """``secrets=drop``: the record's credential tokens become ``filler`` (the same count, so every later call's
+    prefix and every position stays where it was) and their text leaves its request body and stored answer (the
+    writer also scrubs every stored request of a call without findings: an earlier answer's credential can come back
+    in a later request's messages). New lists and dicts: the session index keeps the tokens as served."""
+    prompt, completion = list(record.prompt_delta), list(record.completion_ids)
+    for f in findings:
+        ids, offset = (prompt, record.prompt_prefix_len) if f.part == PROMPT else (completion, 0)
+        for i in range(max(f.start - offset, 0), min(f.end - offset, len(ids))):
+            ids[i] = filler
+    record.prompt_delta, record.completion_ids = prompt, completion
+    texts = sorted({f.text for f in findings if len(f.text) >= 4}, key=len, reverse=True)
+    record.request = scrubbed(record.request, texts)
+    if record.response is not None:
+        record.response = scrubbed(record.response, texts)
+
+
+def filler_token(tokenizer: Any) -> int:
+    """The token a dropped credential's tokens become: ``*`` where that is one token, else the unknown or padding
+    token."""
+    ids = tokenizer.encode("*", add_special_tokens=False)
+    if len(ids) == 1:
+        return int(ids[0])
+    fallback = tokenizer.unk_token_id if tokenizer.unk_token_id is not None else tokenizer.pad_token_id
+    return int(fallback or 0)

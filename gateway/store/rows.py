@@ -17,6 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
+from gateway.credentials.redact import scrubbed
 from gateway.credentials.tokens import COMPLETION, TokenFinding
 from gateway.store import codec
 from gateway.store.errors import describe_error
@@ -199,14 +200,22 @@ def prepare(batch: Iterable[Record], scanner: Scanner | None = None) -> Prepared
     for record in batch:
         try:
             if isinstance(record, CallRecord):
+                # Scanned first: under ``secrets=drop`` the scan changes the record the rows are made of.
+                findings = _finding_rows(record, scanner) if scanner is not None else []
                 row = _call_row(record)
+                if getattr(scanner, "drop", False):
+                    # A call without findings of its own can still carry an earlier answer's credential in its
+                    # messages: under ``drop`` every stored request and answer is scrubbed by a scan of its text.
+                    stored = codec.trim_request(record.request, record.request_prefix_messages)
+                    row["request"] = codec.pack_request(scrubbed(stored))
+                    if record.response is not None:
+                        record.response = scrubbed(record.response)
                 if record.rollout is not None:
                     add_rollout(record.rollout, record)
                 prepared.calls.append((row, record))
                 if record.response is not None:
                     prepared.responses.append((_response_row(record), record))
-                if scanner is not None:
-                    prepared.findings.extend((f, record) for f in _finding_rows(record, scanner))
+                prepared.findings.extend((f, record) for f in findings)
             elif isinstance(record, RolloutRecord):
                 add_rollout(record, record)
             elif isinstance(record, RewardRecord):

@@ -39,7 +39,7 @@ def answer_findings(session: Session, rollout_id: str) -> dict[str, list[tuple[i
 def _untrained(spans: list[tuple[int, int]] | None, length: int, secrets: str) -> tuple[tuple[int, int], ...]:
     if not spans or secrets == "off":
         return ()
-    return ((0, length),) if secrets == "exclude" else tuple(sorted(spans))
+    return tuple(sorted(spans)) if secrets == "mask" else ((0, length),)
 
 
 def _redacted(ids: npt.NDArray[np.uint32], spans: list[Span], offset: int) -> npt.NDArray[np.int64]:
@@ -65,11 +65,15 @@ def call_views(
     if only is not None:
         calls = [c for c in calls if c.id in only]
     findings = answer_findings(session, rollout_id) if secrets != "off" else {}
-    spans = sequence_spans(session, calls) if redact else {}
+    spans = sequence_spans(session, calls) if redact or secrets == "drop" else {}
+    if secrets == "drop":
+        # Stored tokens were replaced wherever a call's prompt or answer held a credential: its logprobs were
+        # sampled from another context than the one stored, so no such call trains.
+        findings = {c.id: [(0, c.completion_len)] for c in calls if spans.get(c.id)}
 
     def ids(c: Call) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         prompt, completion = repo.full_prompt_array(cache, c), codec.ids_array(c.completion_ids)
-        if not spans.get(c.id):
+        if not redact or not spans.get(c.id):
             return prompt, completion
         return _redacted(prompt, spans[c.id], 0), _redacted(completion, spans[c.id], c.prompt_len)
 

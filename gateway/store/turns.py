@@ -77,10 +77,20 @@ def secret_in_answer() -> sa.ColumnElement[bool]:
     return sa.exists().where(SecretFinding.call_id == Call.id, SecretFinding.part == COMPLETION)
 
 
+def secret_in_call() -> sa.ColumnElement[bool]:
+    """The call's new prompt tokens or its answer hold a credential."""
+    return sa.exists().where(SecretFinding.call_id == Call.id)
+
+
 def ready(epoch: int, await_judge: bool, secrets: str = "exclude") -> tuple[sa.ColumnElement[bool], ...]:
-    """Ready to train. Under ``secrets="exclude"`` a turn whose answer holds a credential never is: it is not
-    trained, nor counted as consumed."""
-    trainable = (~secret_in_answer(),) if secrets == "exclude" else ()
+    """Ready to train. Under ``secrets="exclude"`` a turn whose answer holds a credential never is (it is not trained,
+    nor counted as consumed); under "drop", nor is one whose new prompt tokens held one (a turn after it, whose
+    context repeats those tokens, gets no trainable token in its tree)."""
+    trainable: tuple[sa.ColumnElement[bool], ...] = ()
+    if secrets == "exclude":
+        trainable = (~secret_in_answer(),)
+    elif secrets == "drop":
+        trainable = (~secret_in_call(),)
     return (*is_turn(), has_next_state(), rewarded(), not_consumed(epoch), verdict_in(await_judge), *trainable)
 
 
