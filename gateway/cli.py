@@ -17,6 +17,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gateway import policy_cli, retention_cli
@@ -230,13 +231,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Rollouts with their calls, rewards and trees as JSON lines."""
     import json
 
-    from gateway.store import db, rollout_lifecycle
+    from gateway.store import db, exports, rollout_lifecycle
     from gateway.store.training_data import load_rollout, rollout_ids
 
     database = db.connect(_db_url(args))
     out = open(args.out, "w", encoding="utf-8") if args.out != "-" else sys.stdout  # noqa: SIM115
     try:
         ids = rollout_ids(database, status=args.status, limit=args.limit)
+        if args.out != "-":
+            # Recorded first: a forget while the file is being written still finds it.
+            exports.record(database, Path(args.out), ids)
         for n, rollout_id in enumerate(ids, 1):
             record = rollout_lifecycle.detail(database, rollout_id, with_tokens=not args.no_tokens, raw=args.raw)
             data = load_rollout(database, rollout_id, _tree_config(args), redact=not args.raw)

@@ -5,7 +5,8 @@
 
 Both delete from the database in small transactions beside running gateways (``gateway/store/retention.py``), then
 clean the spool directories no running gateway holds (dead-letter and pending lines; a running gateway cleans its
-own on its next retention run, or at once through ``POST /v1/admin/forget``). They print what they deleted, table
+own on its next retention run, or at once through ``POST /v1/admin/forget``); a forget also takes the rollouts out
+of the export files written on this host (``gateway/store/exports.py``). They print what they deleted, table
 by table, and the policy versions already trained on it: those cannot be un-trained.
 """
 
@@ -38,6 +39,11 @@ def print_report(report: Any, verb: str, *, as_json: bool) -> None:
     print(f"{verb} {report.rows} rows in {report.seconds:.1f} s: {parts or 'nothing to delete'}")
     if report.spool_lines or report.spool_files:
         print(f"spool: {report.spool_lines} lines and {report.spool_files} pending files removed")
+    exported = report.exports
+    if exported.get("rewritten"):
+        print(f"exports: {exported['lines']} rollouts taken out of {', '.join(exported['rewritten'])}")
+    if exported.get("elsewhere"):
+        print(f"exports on other hosts, not touched (run forget there too): {', '.join(exported['elsewhere'])}")
     if report.kept_continued:
         print(
             f"kept {report.kept_continued} old rollouts that a newer conversation continues (pruned once it ages out)"
@@ -80,8 +86,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
     from gateway.settings import Settings
-    from gateway.store import db, retention, spool
+    from gateway.store import db, exports, retention, spool
 
     settings = Settings()
     if not (args.rollout or args.session or args.call):
@@ -92,6 +100,7 @@ def cmd_forget(args: argparse.Namespace) -> int:
         report = retention.forget(
             database, rollouts=args.rollout, sessions=args.session, calls=args.call, progress=_progress
         )
+        report.exports = asdict(exports.remove_rollouts(database, report.affected))
     finally:
         database.dispose()
     ids = retention.named_ids(args.rollout, args.session, args.call)

@@ -28,6 +28,8 @@ TABLES = {
     "gateway_adapters",
     "promotion_decisions",
     "secret_findings",
+    "exports",
+    "export_rollouts",
 }
 
 

@@ -48,6 +48,7 @@ REFERENCES = [
     ("stored_responses", "call_id", "calls", "id"),
     ("secret_findings", "call_id", "calls", "id"),
     ("secret_findings", "rollout_id", "rollouts", "id"),
+    ("export_rollouts", "export_id", "exports", "id"),
     ("stored_responses", "previous_id", "stored_responses", "id"),
 ]
 
@@ -300,6 +301,47 @@ def test_db_prune_and_forget_commands(gw, store_url, capsys, monkeypatch, tmp_pa
     assert refused.value.code == 2 and "not a positive duration: 'soon'" in capsys.readouterr().err
     assert main(["db", "prune", "--database-url", store_url]) == 2
     assert main(["db", "upgrade", "--older-than", "3d", "--database-url", store_url]) == 2
+    engine.dispose()
+
+
+def test_forget_takes_the_rollouts_out_of_export_files(gw, store_url, capsys, tmp_path):
+    from clawgate.cli import main
+    from gateway.store import exports
+
+    engine = connect(store_url)
+    for name in ("ex-a", "ex-b", "ex-c"):
+        chat(gw, 2, {"X-Rollout-Id": name}, first=f"Hello {name}.")
+    gw.flush()
+    whole, single = tmp_path / "all.jsonl", tmp_path / "one.jsonl"
+    assert main(["export", "--out", str(whole), "--database-url", store_url]) == 0
+    assert main(["export", "--out", str(single), "--limit", "1", "--database-url", store_url]) == 0
+    ids = lambda path: [json.loads(line)["id"] for line in path.read_text().splitlines()]  # noqa: E731
+    assert ids(whole) == ["ex-a", "ex-b", "ex-c"] and ids(single) == ["ex-a"]
+    elsewhere = exports.record(engine, tmp_path / "remote.jsonl", ["ex-a"])
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE exports SET host = 'other-host' WHERE id = :i"), {"i": elsewhere})
+    capsys.readouterr()
+
+    # Forgetting a rollout rewrites every export on this host that holds it; one left empty is deleted.
+    answer = httpx.post(gw.url + "/v1/admin/forget", json={"rollouts": ["ex-a"]}, headers=ADMIN).json()
+    assert answer["exports"]["lines"] == 2 and sorted(answer["exports"]["rewritten"]) == sorted(
+        [str(whole.resolve()), str(single.resolve())]
+    )
+    assert answer["exports"]["elsewhere"] == [f"other-host:{(tmp_path / 'remote.jsonl').resolve()}"]
+    assert ids(whole) == ["ex-b", "ex-c"] and not single.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "no temporary file left"
+
+    # Forgetting a call changes its rollout: the command takes the rollout out too.
+    call = calls_of(engine, "ex-b")[1]
+    assert main(["forget", "--call", call, "--database-url", store_url]) == 0
+    assert f"exports: 1 rollouts taken out of {whole.resolve()}" in capsys.readouterr().out
+    assert ids(whole) == ["ex-c"]
+    # A moved export is reported, and its rows go; a second forget of the same rollout touches nothing.
+    whole.rename(tmp_path / "moved.jsonl")
+    answer = httpx.post(gw.url + "/v1/admin/forget", json={"rollouts": ["ex-c"]}, headers=ADMIN).json()
+    assert answer["exports"]["missing"] == [str(whole.resolve())] and answer["exports"]["rewritten"] == []
+    assert count(engine, "exports") == 1 and count(engine, "export_rollouts") == 1  # the other host's
+    assert orphans(engine) == {}
     engine.dispose()
 
 

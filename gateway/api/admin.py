@@ -4,14 +4,16 @@
 deleted, table by table, the spool lines it removed (this gateway's own spool directory, and any no running
 gateway holds) and the policy versions already trained on that data (they cannot be un-trained). Calls queued on
 this gateway are committed first, so a conversation served here a moment ago is forgotten whole, and its stored
-Responses-API answers leave this gateway's cache. Another gateway process may still hold the conversation's last
-turns in memory (for ``CLAWGATE_SESSION_CACHE_IDLE`` seconds, its cached answers until evicted): a continuation it
-serves is recorded as a new conversation, never attached to the deleted rows.
+Responses-API answers leave this gateway's cache; the export files written on this gateway's host lose those
+rollouts. Another gateway process may still hold the conversation's last turns in memory (for
+``CLAWGATE_SESSION_CACHE_IDLE`` seconds, its cached answers until evicted): a continuation it serves is recorded as
+a new conversation, never attached to the deleted rows.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter
@@ -20,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.deps import AdminAuth, store_caught_up
 from gateway.errors import BadRequest
 from gateway.state import State
-from gateway.store import retention, spool
+from gateway.store import exports, retention, spool
 
 router = APIRouter()
 
@@ -47,6 +49,7 @@ async def forget(body: ForgetRequest, state: State) -> dict[str, Any]:
         retention.forget, state.db, rollouts=body.rollouts, sessions=body.sessions, calls=body.calls
     )
     state.responses.discard(report.response_ids)
+    report.exports = asdict(await asyncio.to_thread(exports.remove_rollouts, state.db, report.affected))
     ids = retention.named_ids(body.rollouts, body.sessions, body.calls)
     own_lines, own_files = await state.writer.clean_spool(ids=ids)
     lines, files, _ = await asyncio.to_thread(spool.clean_all, state.settings.data_dir / "spool", ids=ids)

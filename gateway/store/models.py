@@ -368,3 +368,24 @@ class SecretFinding(Base):
     # One row per finding however often its batch is replayed (insert-or-ignore); the leading column serves
     # lookups by call.
     __table_args__ = (sa.UniqueConstraint("call_id", "part", "start", name="uq_secret_findings_call_id_part_start"),)
+
+
+class Export(Base):
+    """A file `clawgate export` wrote, and where: forgetting a rollout it holds rewrites it without that rollout."""
+
+    __tablename__ = "exports"
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    path: Mapped[str] = mapped_column(sa.Text)
+    host: Mapped[str] = mapped_column(sa.String)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class ExportRollout(Base):
+    """A rollout written to an export file (one JSON line)."""
+
+    __tablename__ = "export_rollouts"
+
+    export_id: Mapped[int] = mapped_column(sa.Integer, sa.ForeignKey("exports.id"), primary_key=True)
+    # No foreign key: the file keeps what it holds whatever happens to the rows (a prune); a forget cleans both.
+    rollout_id: Mapped[str] = mapped_column(sa.String(128), primary_key=True, index=True)

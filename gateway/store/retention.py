@@ -87,6 +87,11 @@ class Report:
     not_found: list[str] = field(default_factory=list)
     # Responses-API answers deleted (a gateway drops them from its cache: ``ResponseStore.discard``).
     response_ids: set[str] = field(default_factory=set)
+    # Forget: rollouts deleted or changed (a call of theirs deleted), to take out of export files
+    # (``gateway/store/exports.py``, done by the caller).
+    affected: set[str] = field(default_factory=set)
+    # Export files rewritten without them, lines removed, exports on another host or no longer there.
+    exports: dict[str, Any] = field(default_factory=dict)
     # Spool files: dead-letter lines and pending files removed.
     spool_lines: int = 0
     spool_files: int = 0
@@ -98,6 +103,7 @@ class Report:
             self.deleted[name] += n
         self.trained_versions |= other.trained_versions
         self.response_ids |= other.response_ids
+        self.affected |= other.affected
         self.kept_continued += other.kept_continued
 
     @property
@@ -111,6 +117,7 @@ class Report:
             "trained_versions": sorted(self.trained_versions),
             "kept_continued": self.kept_continued,
             "not_found": self.not_found,
+            "exports": self.exports,
             "spool_lines": self.spool_lines,
             "spool_files": self.spool_files,
             "seconds": round(self.seconds, 3),
@@ -472,6 +479,7 @@ def forget(
             part = Report()
             parents = _descendants(connection, set(_calls_of(connection, chunk)))
             touched = _rollouts_of(connection, parents) - set(chunk)
+            part.affected |= touched | set(chunk)
             _delete_batch(connection, chunk, parents, part)
             _drop_emptied(connection, touched, part)
             return part
@@ -485,6 +493,7 @@ def forget(
             part = Report()
             parents = _descendants(connection, found_calls)
             touched = _rollouts_of(connection, parents)
+            part.affected |= touched
             _delete_batch(connection, [], parents, part)
             _drop_emptied(connection, touched, part)
             return part
