@@ -401,3 +401,31 @@ def test_drop_replaces_credentials_in_what_is_stored_and_nothing_around_them_tra
         assert any(node.trainable.any() for node in tree.nodes), "the control"
     finally:
         db.dispose()
+
+
+def test_a_dropped_call_replayed_from_a_spool_line_keeps_its_findings(tiny_tokenizer):
+    import datetime as dt
+
+    from gateway.credentials.tokens import RecordScanner
+    from gateway.store.records import CallRecord, record_from_json, record_to_json
+    from gateway.store.rows import prepare
+
+    decode = tokenizer_decode(tiny_tokenizer)
+    now = dt.datetime.now(dt.UTC)
+    line = BY_NAME["github token"].line
+    record = CallRecord(
+        id="call-1", request_id="r", rollout_id="ro", api="chat", model="m", engine="e", render_mode="fresh",
+        request={"messages": [{"role": "user", "content": line}]}, started_at=now, ended_at=now,
+        prompt_delta=tiny_tokenizer.encode(line, add_special_tokens=False),
+        completion_ids=tiny_tokenizer.encode("ok", add_special_tokens=False), completion_logprobs=[-0.1],
+    )  # fmt: skip
+    scanner = RecordScanner(tiny_tokenizer, drop=True)
+    first = prepare([record], scanner)
+    assert [(f["part"], f["kind"]) for f, _ in first.findings] == [(PROMPT, "GitHub Token")]
+    assert leaked(decode(record.prompt_delta)) == [] and leaked(json.dumps(record.request)) == []
+    # The writer spools the record while the database is down; the replay stores the same findings.
+    replayed = record_from_json(json.loads(json.dumps(record_to_json(record))))
+    again = prepare([replayed], scanner)
+    assert [(f["part"], f["start"], f["end"]) for f, _ in again.findings] == [
+        (f["part"], f["start"], f["end"]) for f, _ in first.findings
+    ]

@@ -65,9 +65,12 @@ class RecordScanner:
         self._filler = filler_token(tokenizer) if drop else 0
 
     def __call__(self, record: Any) -> list[TokenFinding]:
+        if record.secret_findings is not None:  # scanned before (a retried batch, a replayed spool line)
+            return [TokenFinding(**f) for f in record.secret_findings]
         found = scan_call(record.prompt_delta, record.prompt_prefix_len, record.completion_ids, self._decode)
         if self.drop and found:
             drop_credentials(record, found, self._filler)
+        record.secret_findings = [{"part": f.part, "kind": f.kind, "start": f.start, "end": f.end} for f in found]
         return found
 
 

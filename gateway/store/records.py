@@ -82,6 +82,9 @@ class CallRecord:
     engine_ms: float | None = None
     gateway_ms: float | None = None
     rollout: RolloutRecord | None = None
+    # The credentials the capture writer found in it (``TokenFinding`` fields but the text), once it has scanned it:
+    # spooled with the record, so a replay neither scans again nor misses what ``secrets=drop`` already removed.
+    secret_findings: list[dict[str, Any]] | None = None
     # A Responses-API answer to store with the call (``models.StoredResponse``): its id, ``previous_id``,
     # ``stored`` and ``items`` (the conversation messages it added, as dicts; None when not stored).
     response: dict[str, Any] | None = None
