@@ -40,7 +40,7 @@ from tests.test_retention import orphans
 from tests.test_reward_worker import worker_for
 
 ADMIN = {"Authorization": "Bearer adm"}
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "harness-requests"
+FIXTURES = Path(__file__).parent / "fixtures" / "harness-requests"
 PLANTED = corpus()
 BY_NAME = {p.name: p for p in PLANTED}
 READ_FILE = {"name": "read_file", "description": "Read a file.", "parameters": {"type": "object"}}
