@@ -26,6 +26,7 @@ import numpy as np
 import sqlalchemy as sa
 
 from gateway.credentials.redact import decode_redacted
+from gateway.credentials.tokens import tokenizer_decode  # special tokens kept (role markers, tool-call tags)
 from gateway.store import judgements
 from gateway.store.secret_spans import Span, shifted
 
@@ -97,15 +98,6 @@ def load_turn(db: sa.Engine, call_id: str, decode: Decode, limits: Limits = Limi
         reply_token_ids=tuple(turn.completion.tolist()),
         rollout_metadata=turn.rollout_metadata,
     )
-
-
-def tokenizer_decode(tokenizer: Any) -> Decode:
-    """A decode function keeping special tokens (role markers, tool-call tags)."""
-
-    def decode(ids: Sequence[int]) -> str:
-        return str(tokenizer.decode(list(ids), skip_special_tokens=False))
-
-    return decode
 
 
 __all__ = ["Decode", "Limits", "TurnView", "clip", "load_turn", "tokenizer_decode"]
