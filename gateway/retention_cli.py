@@ -3,11 +3,11 @@
     clawgate db prune --older-than 30d [--keep-trained-summaries]
     clawgate forget --rollout ID | --session ID | --call ID  (each may be repeated)
 
-Both delete from the database in small transactions beside running gateways (``gateway/store/retention.py``), then
-clean the spool directories no running gateway holds (dead-letter and pending lines; a running gateway cleans its
-own on its next retention run, or at once through ``POST /v1/admin/forget``); a forget also takes the rollouts out
-of the export files written on this host (``gateway/store/exports.py``). They print what they deleted, table
-by table, and the policy versions already trained on it: those cannot be un-trained.
+Both delete from the database in small transactions beside running gateways (``gateway/store/retention.py``,
+``forget.py``), then clean the spool directories no running gateway holds (dead-letter and pending lines; a
+running gateway cleans its own on its next retention run, or at once through ``POST /v1/admin/forget``); a forget
+also takes the rollouts out of the export files written on this host (``gateway/store/exports.py``). They print
+what they deleted, table by table, and the policy versions already trained on it: those cannot be un-trained.
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def cmd_forget(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from gateway.settings import Settings
-    from gateway.store import db, exports, retention, spool
+    from gateway.store import db, exports, spool
+    from gateway.store import forget as forgetting
 
     settings = Settings()
     if not (args.rollout or args.session or args.call):
@@ -97,13 +98,13 @@ def cmd_forget(args: argparse.Namespace) -> int:
         return 2
     database = db.connect(args.database_url or settings.database_url)
     try:
-        report = retention.forget(
+        report = forgetting.forget(
             database, rollouts=args.rollout, sessions=args.session, calls=args.call, progress=_progress
         )
         report.exports = asdict(exports.remove_rollouts(database, report.affected))
     finally:
         database.dispose()
-    ids = retention.named_ids(args.rollout, args.session, args.call)
+    ids = forgetting.named_ids(args.rollout, args.session, args.call)
     report.spool_lines, report.spool_files, held = spool.clean_all(settings.data_dir / "spool", ids=ids)
     print_report(report, "forgot", as_json=args.json)
     if held:

@@ -25,6 +25,7 @@ import sqlalchemy as sa
 
 from gateway.retention_cli import parse_duration
 from gateway.store import codec, retention, spool
+from gateway.store import forget as forgetting
 from gateway.store.db import connect
 from gateway.store.models import Judgement, TrainedRollout, TrainedTurn, TrainStep, utcnow
 
@@ -187,7 +188,7 @@ def test_forget_a_rollout_a_session_and_a_call_leaves_no_orphans(gw, store_url):
 
     # Forget b's middle call: it and the call continuing it go, with their feedback, judgement and trained turn;
     # the first call stays and loses its next-state link.
-    report = retention.forget(engine, calls=[b_calls[1]])
+    report = forgetting.forget(engine, calls=[b_calls[1]])
     assert report.deleted["calls"] == 2 and report.deleted["judgements"] == 1 and report.deleted["trained_turns"] == 1
     assert report.deleted["rewards"] == 2 and report.trained_versions == {2} and report.deleted["rollouts"] == 0
     assert calls_of(engine, "keep-b") == b_calls[:1]
@@ -195,7 +196,7 @@ def test_forget_a_rollout_a_session_and_a_call_leaves_no_orphans(gw, store_url):
     assert orphans(engine) == {}
 
     # The Responses chain: its rollout goes with both stored answers, and a continuation of one is refused.
-    report = retention.forget(engine, rollouts=[chain_rollout])
+    report = forgetting.forget(engine, rollouts=[chain_rollout])
     assert report.deleted["stored_responses"] == 2 and report.response_ids == {r1.id, r2.id}
     gw.state.responses.discard(report.response_ids)
     with pytest.raises(openai.BadRequestError) as refused:
@@ -371,7 +372,7 @@ def test_prune_and_forget_under_concurrent_capture(gw, store_url, caplog):
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not errors:
         deletions += retention.prune(engine, older_than=dt.timedelta(seconds=1)).rows
-        deletions += retention.forget(engine, rollouts=rollouts[deletions % 3 :: 3]).rows
+        deletions += forgetting.forget(engine, rollouts=rollouts[deletions % 3 :: 3]).rows
         time.sleep(0.2)
     stop.set()
     for t in threads:
@@ -457,7 +458,7 @@ def test_a_step_whose_data_is_forgotten_before_it_publishes_publishes_nothing_an
     original = publish.record_version
 
     def forget_first(*args: Any, **kwargs: Any) -> Any:
-        retention.forget(engine, rollouts=[a_hi])
+        forgetting.forget(engine, rollouts=[a_hi])
         return original(*args, **kwargs)
 
     monkeypatch.setattr(publish, "record_version", forget_first)

@@ -1,4 +1,4 @@
-"""Admin data-governance routes: forget rollouts, harness sessions or calls (``gateway/store/retention.py``).
+"""Admin data-governance routes: forget rollouts, harness sessions or calls (``gateway/store/forget.py``).
 
 ``POST /v1/admin/forget`` takes ``{"rollouts": [...], "sessions": [...], "calls": [...]}`` and answers with what it
 deleted, table by table, the spool lines it removed (this gateway's own spool directory, and any no running
@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.deps import AdminAuth, store_caught_up
 from gateway.errors import BadRequest
 from gateway.state import State
-from gateway.store import exports, retention, spool
+from gateway.store import exports, spool
+from gateway.store import forget as forgetting
 
 router = APIRouter()
 
@@ -46,11 +47,11 @@ async def forget(body: ForgetRequest, state: State) -> dict[str, Any]:
             raise BadRequest(f"{name} holds an empty id or one longer than 256 characters", param=name)
     await store_caught_up(state)
     report = await asyncio.to_thread(
-        retention.forget, state.db, rollouts=body.rollouts, sessions=body.sessions, calls=body.calls
+        forgetting.forget, state.db, rollouts=body.rollouts, sessions=body.sessions, calls=body.calls
     )
     state.responses.discard(report.response_ids)
     report.exports = asdict(await asyncio.to_thread(exports.remove_rollouts, state.db, report.affected))
-    ids = retention.named_ids(body.rollouts, body.sessions, body.calls)
+    ids = forgetting.named_ids(body.rollouts, body.sessions, body.calls)
     own_lines, own_files = await state.writer.clean_spool(ids=ids)
     lines, files, _ = await asyncio.to_thread(spool.clean_all, state.settings.data_dir / "spool", ids=ids)
     report.spool_lines, report.spool_files = own_lines + lines, own_files + files

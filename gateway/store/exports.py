@@ -1,7 +1,7 @@
 """Export files `clawgate export` wrote, and taking forgotten rollouts out of them.
 
 An export records its absolute path, the host it was written on and the rollout ids it holds (one JSON line each).
-Forgetting rollouts (``retention.forget``: those deleted, and those that lost calls to it) rewrites each export on
+Forgetting rollouts (``forget.forget``: those deleted, and those that lost calls to it) rewrites each export on
 this host that holds one, without those lines: written beside it and moved over it, so a reader sees the old file
 or the new one. An export left with no line is deleted. An export on another host, or one moved or deleted since,
 is reported, not touched: its rows stay for a forget run on its host (a missing file's rows go).
