@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway import __version__
 from gateway.api import admin as admin_api
 from gateway.api import docs as docs_api
+from gateway.api import keys as keys_api
 from gateway.api import policy as policy_api
 from gateway.api import rollouts as rollouts_api
 from gateway.api import system as system_api
@@ -60,6 +61,7 @@ from gateway.state import AppState
 from gateway.store import adapter_leases, db, promotion, retention, rollout_lifecycle, spool
 from gateway.store.errors import InvalidInput, RecordNotFound, is_transient
 from gateway.store.writer import CallWriter
+from gateway.tenants.cache import KeyCache
 
 log = logging.getLogger("clawgate")
 
@@ -259,6 +261,7 @@ def serving_state(
             # Without durable capture another process commits a response within its flush interval.
             miss_wait_s=0.0 if settings.capture_durable else 1.0,
         ),
+        keys=KeyCache(database, settings.key_secret_bytes, ttl=settings.key_cache_ttl),
     )
 
 
@@ -366,6 +369,7 @@ def build_app(settings: Settings, *, engine: Engine | None = None, tokenizer: An
     app.include_router(system_api.router)
     app.include_router(policy_api.router)
     app.include_router(admin_api.router)
+    app.include_router(keys_api.router)
     app.include_router(console_routes.router)
     app.include_router(docs_api.router)
     app.openapi = lambda: docs_api.openapi_schema(app)  # type: ignore[method-assign]

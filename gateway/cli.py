@@ -7,6 +7,7 @@
     clawgate tree ID      print a rollout's reconstructed prefix tree
     clawgate export       rollouts with calls, rewards and trees as JSONL
     clawgate policy       list the policy versions; pin, unpin, roll back the served one
+    clawgate keys         tenants' API keys: create (shown once), list, revoke
 
 ``serve_flags``, ``SERVE_FLAGS`` and ``serve`` are also what `clawgate up` serves with.
 """
@@ -20,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gateway import policy_cli, retention_cli
+from gateway import keys_cli, policy_cli, retention_cli
 from gateway.logs import setup_logging
 from gateway.settings import Settings, environment_of, from_flags
 
@@ -237,7 +238,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     database = db.connect(_db_url(args))
     out = open(args.out, "w", encoding="utf-8") if args.out != "-" else sys.stdout  # noqa: SIM115
     try:
-        ids = rollout_ids(database, status=args.status, limit=args.limit)
+        ids = rollout_ids(database, status=args.status, limit=args.limit, tenant=args.tenant)
         if args.out != "-":
             # Recorded first: a forget while the file is being written still finds it.
             exports.record(database, Path(args.out), ids)
@@ -281,6 +282,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     export.add_argument("--out", default="-", help="output file (default: stdout)")
     export.add_argument("--status", help="only rollouts with this status (open, completed, failed, aborted)")
     export.add_argument("--limit", type=int)
+    export.add_argument("--tenant", metavar="NAME", help="only this tenant's rollouts")
     export.add_argument("--no-tokens", action="store_true", help="leave token ids and logprobs out")
     export.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
     _tree_flags(export)
@@ -288,6 +290,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     policy_cli.register(sub)
     retention_cli.register(sub)
+    keys_cli.register(sub)
 
 
 __all__ = [

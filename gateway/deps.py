@@ -15,9 +15,12 @@ from fastapi import Depends, Request
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.core.job import RolloutRef
-from gateway.errors import BadRequest, EngineUnavailable, Forbidden, Unauthorized
+from gateway.errors import BadRequest, EngineUnavailable, Forbidden, NotFound, Unauthorized
 from gateway.state import AppState, State
+from gateway.store import api_keys as tenant_keys
 from gateway.store import rollout_lifecycle
+from gateway.tenants.cache import KeysUnavailable
+from gateway.tenants.principal import DEFAULT_TENANT, DEFAULT_USER, GLOBAL_ADMIN, Principal
 
 log = logging.getLogger("clawgate")
 
@@ -63,23 +66,59 @@ async def rollout_access(state: AppState, rollout_id: str) -> rollout_lifecycle.
     return state.rollout_keys[rollout_id]
 
 
-async def _rollout_key_ok(state: AppState, key: str, rollout_id: str | None) -> None:
+async def rollout_tenant(state: AppState, rollout_id: str) -> str | None:
+    """The tenant of a rollout, None if it does not exist. One this process has not seen is read again after the
+    capture queue is written (it may have been created by a call just served, or by another process)."""
+    access = await rollout_access(state, rollout_id)
+    if access.tenant is None:
+        await store_caught_up(state)
+        access = await asyncio.to_thread(rollout_lifecycle.access_of, state.db, rollout_id)
+        if access.tenant is not None:
+            state.rollout_keys[rollout_id] = access
+    return access.tenant
+
+
+async def _rollout_key_ok(state: AppState, key: str, rollout_id: str | None) -> Principal:
     """A per-rollout key works only for its own rollout (403 otherwise, without saying whose key it is)."""
     if rollout_id is None:
         raise Forbidden("a rollout key can only be used under its rollout's base_url or with X-Rollout-Id")
-    if not rollout_lifecycle.key_matches(key, (await rollout_access(state, rollout_id)).key_hash):
+    access = await rollout_access(state, rollout_id)
+    if not rollout_lifecycle.key_matches(key, access.key_hash):
         raise Forbidden(f"this key does not grant access to rollout {rollout_id!r}")
+    return Principal(tenant=access.tenant or DEFAULT_TENANT, role="rollout", rollout_id=rollout_id)
 
 
-async def _pinned_version(state: AppState, rollout_id: str) -> int | None:
-    """The version an explicit rollout is pinned to. Pinned rollouts are created through this API (and cached
-    here then); a client-named rollout needs one lookup, which must not make a database outage fail its calls:
-    while the store is unreachable it is served unpinned, and the version that serves each call is recorded."""
+async def _tenant_key(state: AppState, key: str) -> Principal:
+    """A tenant key from the database (through this process's short-lived cache): 401 unless valid now."""
+    assert state.keys is not None
     try:
-        return (await rollout_access(state, rollout_id)).policy_version
+        info = await state.keys.check(key)
+    except KeysUnavailable:
+        raise EngineUnavailable(
+            "the database is unavailable and this key has not been checked lately: try again shortly",
+            code="store_unavailable",
+            retry_after=STORE_RETRY_AFTER_S,
+        ) from None
+    if info is None:
+        raise Unauthorized("Invalid, expired or revoked API key.", code="invalid_api_key")
+    return Principal(tenant=info.tenant, role="admin" if info.role == "admin" else "user", key_id=info.id)
+
+
+async def _claim_rollout(state: AppState, rollout_id: str, tenant: str) -> int | None:
+    """A rollout named by a serving request (explicit or a harness session): another tenant's reads "not found"
+    (its existence is not revealed); one that does not exist yet is this tenant's from now on, on this process
+    (its first call creates it). Returns the version it is pinned to. While the database is unreachable the
+    request is served, as a pinned rollout's calls are (the rollout's tenant cannot be read then)."""
+    try:
+        access = await rollout_access(state, rollout_id)
     except SQLAlchemyError as exc:
-        log.debug("rollout %s: cannot read whether it is pinned (%s); routed as usual", rollout_id, exc)
+        log.debug("rollout %s: cannot read its tenant or pin (%s); routed as usual", rollout_id, exc)
         return None
+    if access.tenant is None:
+        state.rollout_keys[rollout_id] = rollout_lifecycle.Access(access.key_hash, access.policy_version, tenant)
+    elif access.tenant != tenant:
+        raise NotFound(f"rollout {rollout_id!r} not found", param="rollout_id", code="rollout_not_found")
+    return access.policy_version
 
 
 def _request_rollout_id(request: Request) -> str | None:
@@ -88,14 +127,19 @@ def _request_rollout_id(request: Request) -> str | None:
 
 
 async def require_client(request: Request, state: State) -> None:
-    """Serving routes: a client key (CLAWGATE_API_KEYS), or the per-rollout key of the rollout addressed."""
+    """Serving routes: a client key (CLAWGATE_API_KEYS: the default tenant), a tenant's key from the database, or
+    the per-rollout key of the rollout addressed. Who it is goes on ``request.state.principal``."""
     key = presented_key(request)
+    principal = DEFAULT_USER
     if key is not None and key.startswith(rollout_lifecycle.ROLLOUT_KEY_PREFIX):
-        await _rollout_key_ok(state, key, _request_rollout_id(request))
-        return
-    keys = state.settings.api_keys
-    if keys and (key is None or not _matches_any(key, keys)):
-        raise Unauthorized("Invalid or missing API key.", code="invalid_api_key")
+        principal = await _rollout_key_ok(state, key, _request_rollout_id(request))
+    elif key is not None and key.startswith(tenant_keys.PREFIX):
+        principal = await _tenant_key(state, key)
+    else:
+        keys = state.settings.api_keys
+        if keys and (key is None or not _matches_any(key, keys)):
+            raise Unauthorized("Invalid or missing API key.", code="invalid_api_key")
+    request.state.principal = principal
 
 
 def _is_admin(state: AppState, key: str | None) -> bool:
@@ -105,30 +149,67 @@ def _is_admin(state: AppState, key: str | None) -> bool:
     return key is not None and hmac.compare_digest(key.encode(), admin.get_secret_value().encode())
 
 
-async def require_admin(request: Request, state: State) -> None:
+async def admin_principal(request: Request, state: AppState) -> Principal:
+    """The global admin key, or a tenant's admin key (which sees only its tenant); 401/403 otherwise."""
     key = presented_key(request)
+    if key is not None and key.startswith(tenant_keys.PREFIX):
+        principal = await _tenant_key(state, key)
+        if not principal.is_admin:
+            raise Forbidden("this endpoint needs an admin key; this is a tenant's user key", code="admin_only")
+        return principal
     if _is_admin(state, key):
-        return
+        return GLOBAL_ADMIN
     if key is not None and key.startswith(rollout_lifecycle.ROLLOUT_KEY_PREFIX):
         raise Forbidden("a rollout key cannot use this endpoint")
     raise Unauthorized("this endpoint needs the admin key", code="invalid_api_key")
 
 
-async def authorize_rollout(request: Request, state: AppState, rollout_id: str) -> None:
-    """Rollout endpoints: the admin key, or that rollout's own key."""
+async def require_admin(request: Request, state: State) -> None:
+    """Admin routes that see tenants' data: the global admin, or a tenant admin limited to its tenant (the route
+    reads ``request.state.principal`` and answers 404 for another tenant's records)."""
+    request.state.principal = await admin_principal(request, state)
+
+
+async def require_global_admin(request: Request, state: State) -> None:
+    """Routes that act on what all tenants share (the policy, the API docs): the global admin key only."""
+    principal = await admin_principal(request, state)
+    if not principal.is_global:
+        raise Forbidden("this endpoint needs the global admin key (CLAWGATE_ADMIN_KEY)", code="admin_only")
+    request.state.principal = principal
+
+
+def principal_of(request: Request) -> Principal:
+    """Who the request is, as set by its route's auth dependency."""
+    principal: Principal = request.state.principal
+    return principal
+
+
+async def authorize_rollout(request: Request, state: AppState, rollout_id: str) -> Principal:
+    """Rollout endpoints: the admin key (a tenant admin: its own tenant's rollouts; another's read "not found"),
+    or that rollout's own key."""
     key = presented_key(request)
     if key is not None and key.startswith(rollout_lifecycle.ROLLOUT_KEY_PREFIX):
-        await _rollout_key_ok(state, key, rollout_id)
-        return
-    if not _is_admin(state, key):
-        raise Unauthorized("this endpoint needs the admin key or the rollout's key", code="invalid_api_key")
+        principal = await _rollout_key_ok(state, key, rollout_id)
+    else:
+        try:
+            principal = await admin_principal(request, state)
+        except Unauthorized:
+            raise Unauthorized(
+                "this endpoint needs the admin key or the rollout's key", code="invalid_api_key"
+            ) from None
+        if not principal.is_global and await rollout_tenant(state, rollout_id) != principal.tenant:
+            raise NotFound(f"rollout {rollout_id!r} not found", param="rollout_id", code="rollout_not_found")
+    request.state.principal = principal
+    return principal
 
 
 def authorize_raw(request: Request, state: AppState) -> None:
-    """Exact token ids of credentials (``?raw=true``): the admin key only, never a rollout's own key."""
+    """Exact token ids of credentials (``?raw=true``): the global admin key only, never a tenant's or a rollout's."""
     key = presented_key(request)
-    if (key is not None and key.startswith(rollout_lifecycle.ROLLOUT_KEY_PREFIX)) or not _is_admin(state, key):
-        raise Forbidden("raw=true (unredacted credentials) needs the admin key", param="raw", code="admin_only")
+    if (key is not None and key.startswith((rollout_lifecycle.ROLLOUT_KEY_PREFIX, tenant_keys.PREFIX))) or not (
+        _is_admin(state, key)
+    ):
+        raise Forbidden("raw=true (unredacted credentials) needs the global admin key", param="raw", code="admin_only")
 
 
 def _check_id(value: str, where: str) -> str:
@@ -157,13 +238,24 @@ async def rollout_ref(request: Request, state: State) -> RolloutRef:
                 break
     # Claude Code marks calls made by a sub-agent; their credit from the rollout's reward is unclear.
     agent_id = headers.get("x-claude-code-agent-id")
-    pinned = await _pinned_version(state, rollout_id) if rollout_id and kind == "explicit" else None
+    tenant = principal_of(request).serving_tenant
+    pinned = None
+    if rollout_id is not None:
+        pinned = await _claim_rollout(state, rollout_id, tenant)
+        if kind != "explicit":
+            pinned = None  # a harness session is never pinned
     return RolloutRef(
-        id=rollout_id, is_subagent=agent_id is not None, agent_id=agent_id, kind=kind, policy_version=pinned
+        id=rollout_id,
+        is_subagent=agent_id is not None,
+        agent_id=agent_id,
+        kind=kind,
+        policy_version=pinned,
+        tenant=tenant,
     )
 
 
 ClientAuth = Depends(require_client)
 AdminAuth = Depends(require_admin)
+GlobalAdminAuth = Depends(require_global_admin)
 # Who a serving request belongs to (not the ORM model ``gateway.store.models.Rollout``).
 RolloutScope = Annotated[RolloutRef, Depends(rollout_ref)]

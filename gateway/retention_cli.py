@@ -1,7 +1,7 @@
 """``clawgate db prune`` and ``clawgate forget``: keep captured traffic only as long as needed, forget on request.
 
-    clawgate db prune --older-than 30d [--keep-trained-summaries]
-    clawgate forget --rollout ID | --session ID | --call ID  (each may be repeated)
+    clawgate db prune --older-than 30d [--keep-trained-summaries] [--tenant NAME]
+    clawgate forget --rollout ID | --session ID | --call ID | --tenant NAME  (each may be repeated)
 
 Both delete from the database in small transactions beside running gateways (``gateway/store/retention.py``,
 ``forget.py``), then clean the spool directories no running gateway holds (dead-letter and pending lines; a
@@ -73,12 +73,20 @@ def cmd_prune(args: argparse.Namespace) -> int:
     database = db.connect(args.database_url or settings.database_url)
     try:
         report = retention.prune(
-            database, older_than=args.older_than, keep_trained_summaries=args.keep_trained_summaries, progress=_progress
+            database,
+            older_than=args.older_than,
+            keep_trained_summaries=args.keep_trained_summaries,
+            progress=_progress,
+            tenant=args.tenant,
         )
     finally:
         database.dispose()
     cutoff = retention.utcnow() - args.older_than
-    report.spool_lines, report.spool_files, held = spool.clean_all(settings.data_dir / "spool", cutoff=cutoff)
+    spool_dir = settings.data_dir / "spool"
+    if args.tenant is None:
+        report.spool_lines, report.spool_files, held = spool.clean_all(spool_dir, cutoff=cutoff)
+    else:  # spool lines of the rollouts pruned; other tenants' old lines stay
+        report.spool_lines, report.spool_files, held = spool.clean_all(spool_dir, ids=frozenset(report.affected))
     print_report(report, "pruned", as_json=args.json)
     if held:
         print(f"{held} spool directories are held by running gateways: they prune their own", file=sys.stderr)
@@ -93,18 +101,23 @@ def cmd_forget(args: argparse.Namespace) -> int:
     from gateway.store import forget as forgetting
 
     settings = Settings()
-    if not (args.rollout or args.session or args.call):
-        print("error: `clawgate forget` needs --rollout, --session or --call", file=sys.stderr)
+    if not (args.rollout or args.session or args.call or args.tenant):
+        print("error: `clawgate forget` needs --rollout, --session, --call or --tenant", file=sys.stderr)
         return 2
     database = db.connect(args.database_url or settings.database_url)
     try:
         report = forgetting.forget(
-            database, rollouts=args.rollout, sessions=args.session, calls=args.call, progress=_progress
+            database,
+            rollouts=args.rollout,
+            sessions=args.session,
+            calls=args.call,
+            tenants=args.tenant,
+            progress=_progress,
         )
         report.exports = asdict(exports.remove_rollouts(database, report.affected))
     finally:
         database.dispose()
-    ids = forgetting.named_ids(args.rollout, args.session, args.call)
+    ids = forgetting.named_ids(args.rollout, args.session, args.call) | report.affected
     report.spool_lines, report.spool_files, held = spool.clean_all(settings.data_dir / "spool", ids=ids)
     print_report(report, "forgot", as_json=args.json)
     if held:
@@ -126,6 +139,7 @@ def register_prune_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="prune: keep the rollout rows, rollout rewards and training records of trained rollouts (not their calls)",
     )
+    p.add_argument("--tenant", metavar="NAME", help="prune: only this tenant's rollouts")
     p.add_argument("--json", action="store_true", help="prune: the report as JSON")
 
 
@@ -147,6 +161,13 @@ def register(sub: Any) -> None:
         default=[],
         metavar="ID",
         help="a call id; the calls continuing it go too (repeatable)",
+    )
+    forget.add_argument(
+        "--tenant",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="every rollout of this tenant (repeatable; its keys stay: `clawgate keys revoke` them)",
     )
     forget.add_argument("--json", action="store_true", help="the report as JSON")
     forget.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")

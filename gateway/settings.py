@@ -224,6 +224,11 @@ class Settings(BaseSettings):
     # Auth
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     admin_key: SecretStr | None = None
+    # The server secret tenant keys are hashed under (HMAC-SHA256); every gateway and `clawgate keys` must share it.
+    # Changing it invalidates every tenant key. Unset: keys are hashed under a public label (``gateway/tenants``).
+    key_secret: SecretStr | None = None
+    # How long a gateway process trusts its verdict on a tenant key before reading it again (a revocation's delay).
+    key_cache_ttl: float = Field(default=0.5, gt=0, le=60)
 
     log_level: str = "info"
 
@@ -266,6 +271,10 @@ class Settings(BaseSettings):
         if self.promotion is not None:
             return self.promotion
         return "guarded" if self.environment == "production" else "immediate"
+
+    @property
+    def key_secret_bytes(self) -> bytes | None:
+        return self.key_secret.get_secret_value().encode() if self.key_secret is not None else None
 
     @property
     def reward_worker_enabled(self) -> bool:

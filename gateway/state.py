@@ -20,6 +20,7 @@ from gateway.policy import PolicyFollower
 from gateway.settings import Settings
 from gateway.store.rollout_lifecycle import Access
 from gateway.store.writer import CallWriter
+from gateway.tenants.cache import KeyCache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -46,6 +47,7 @@ class AppState:
     # rollout id -> its key's sha256 and pinned version (rollout_lifecycle.Access), filled on first use; a cache of
     # the most recently used rollouts (a forgotten one is read from the database again)
     rollout_keys: LRUDict[str, Access] = field(default_factory=lambda: LRUDict(ROLLOUT_KEYS_CACHED))
+    keys: KeyCache | None = None  # tenant keys checked lately (``gateway/tenants/cache.py``)
     policy: PolicyFollower | None = None  # follows the trainer's published versions (CLAWGATE_POLICY_FOLLOW)
 
     def check_model(self, name: str) -> None:

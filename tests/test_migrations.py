@@ -30,6 +30,8 @@ TABLES = {
     "secret_findings",
     "exports",
     "export_rollouts",
+    "tenants",
+    "api_keys",
 }
 
 

@@ -239,7 +239,7 @@ def test_credentials_across_the_three_apis_are_recorded_and_never_shown(traffic,
     out = tmp_path / "export.jsonl"
     args = argparse.Namespace(
         database_url=gw.settings.database_url, out=str(out), status=None, limit=None, no_tokens=False, raw=False,
-        keep_dead_leaves=False, keep_compaction=False, keep_subagents=False, max_leaves=8,
+        tenant=None, keep_dead_leaves=False, keep_compaction=False, keep_subagents=False, max_leaves=8,
     )  # fmt: skip
     assert cmd_export(args) == 0
     text = out.read_text(encoding="utf-8")

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import sqlalchemy as sa
 
@@ -62,7 +63,7 @@ class Daemon:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip())
 
-    def wait_line(self, needle: str, timeout: float = 120.0, start: int = 0) -> int:
+    def wait_line(self, needle: str, timeout: float = 120.0, start: int = 0, poll: float = 0.05) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for i in range(start, len(self.lines)):
@@ -72,7 +73,7 @@ class Daemon:
                 time.sleep(0.2)
                 if not any(needle in x for x in self.lines[start:]):
                     raise AssertionError(f"trainer exited ({self.proc.returncode}) before {needle!r}:\n" + self.output)
-            time.sleep(0.05)
+            time.sleep(poll)
         raise AssertionError(f"no {needle!r} within {timeout}s:\n{self.output}")
 
     @property
@@ -82,7 +83,7 @@ class Daemon:
     def kill_in_step(self, url: str, delay: float) -> bool:
         """SIGKILL the trainer ``delay`` s after it logged a step's start: True when the kill landed inside the step
         (the step's version, recorded with its commit at the step's end, is not in the database after the kill)."""
-        self.wait_line("step from policy@")
+        self.wait_line("step from policy@", poll=0.002)
         recorded = len(recorded_versions(url))
         time.sleep(delay)
         self.proc.kill()
@@ -185,14 +186,32 @@ def test_daemon_waits_for_its_trigger_then_trains(gateway_factory, tiny_model_di
     assert "train/tokens_per_second" in events.Tags()["scalars"]
 
 
+def long_rollout(gw, task: str, reward: float) -> str:
+    """A finished, rewarded rollout of four turns of up to 64 tokens (a step on three of them takes long enough to
+    be killed inside)."""
+    ro = httpx.post(gw.url + "/v1/rollouts", json={"task_id": task, "harness": "sdk"}, headers=ADMIN).json()
+    client = openai.OpenAI(base_url=ro["base_url"], api_key=ro["api_key"], max_retries=0)
+    messages = [{"role": "user", "content": f"Task {task}: begin."}]
+    for turn in range(4):
+        out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=64, temperature=1.0)
+        messages += [
+            {"role": "assistant", "content": out.choices[0].message.content or ""},
+            {"role": "user", "content": f"turn {turn}"},
+        ]
+    httpx.post(f"{gw.url}/v1/rollouts/{ro['id']}/reward", json={"value": reward}, headers=ADMIN)
+    httpx.post(f"{gw.url}/v1/rollouts/{ro['id']}/finish", json={"status": "completed"}, headers=ADMIN)
+    return str(ro["id"])
+
+
 def test_sigkill_mid_step_loses_nothing_and_trains_nothing_twice(gateway_factory, tiny_model_dir, tmp_path):
     gw = gateway_factory(admin_key="adm", policy_follow=False)
     url, adapters = gw.settings.database_url, tmp_path / "adapters"
     made: list[str] = []
     landed: list[bool] = []
-    # Later and later inside the step (packing, backward, saving, committing); each kill says where it landed.
-    for round_, delay in enumerate([0.0, 0.15, 0.3, 0.45]):
-        made += [rollout(gw, f"T{round_}", 1.0), rollout(gw, f"T{round_}", 0.0), rollout(gw, f"T{round_}", 0.5)]
+    # Later and later inside the step (packing, backward, saving, committing: on three rollouts of ~300 tokens a step
+    # takes 0.15-0.2 s on an idle 2-core machine, more on a loaded one); each kill says where it landed.
+    for round_, delay in enumerate([0.0, 0.04, 0.08, 0.12]):
+        made += [long_rollout(gw, f"T{round_}", reward) for reward in (1.0, 0.0, 0.5)]
         daemon = Daemon(train_cmd(tiny_model_dir, url, adapters, "--min-rollouts", "3"))
         try:
             landed.append(daemon.kill_in_step(url, delay))

@@ -14,7 +14,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from gateway.deps import require_admin
+from gateway.deps import require_global_admin
 from gateway.protocols.common.routes import HOISTED
 from gateway.state import State
 
@@ -23,7 +23,7 @@ router = APIRouter(include_in_schema=False)
 
 async def _allowed(request: Request, state: Any) -> None:
     if state.settings.environment == "production":
-        await require_admin(request, state)
+        await require_global_admin(request, state)
 
 
 def openapi_schema(app: FastAPI) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from gateway.api.policy_wire import OptionalVersion, VersionChoice
-from gateway.deps import AdminAuth
+from gateway.deps import GlobalAdminAuth
 from gateway.errors import Conflict, NotFound
 from gateway.policy import apply_change
 from gateway.promotion.promoter import rule_of
@@ -69,37 +69,37 @@ async def apply(state: AppState, change: Any, *args: Any) -> dict[str, Any]:
     return await describe_policy(state)
 
 
-@router.get("/v1/policy", dependencies=[AdminAuth])
+@router.get("/v1/policy", dependencies=[GlobalAdminAuth])
 async def get_policy(state: State) -> dict[str, Any]:
     return await describe_policy(state)
 
 
-@router.post("/v1/policy/pin", dependencies=[AdminAuth])
+@router.post("/v1/policy/pin", dependencies=[GlobalAdminAuth])
 async def pin(body: VersionChoice, state: State) -> dict[str, Any]:
     """Serve ``version`` on every gateway until unpinned (the trainer may go on publishing meanwhile)."""
     return await apply(state, policy_control.pin, body.version)
 
 
-@router.post("/v1/policy/unpin", dependencies=[AdminAuth])
+@router.post("/v1/policy/unpin", dependencies=[GlobalAdminAuth])
 async def unpin(state: State) -> dict[str, Any]:
     """Serve the newest version again (withdraws a rollback the trainer has not carried out yet)."""
     return await apply(state, policy_control.unpin)
 
 
-@router.post("/v1/policy/rollback", dependencies=[AdminAuth])
+@router.post("/v1/policy/rollback", dependencies=[GlobalAdminAuth])
 async def rollback(body: VersionChoice, state: State) -> dict[str, Any]:
     """Serve ``version`` now and have the trainer continue from it: it republishes that version's weights as a new
     version and trains on from there."""
     return await apply(state, policy_control.request_rollback, body.version)
 
 
-@router.post("/v1/policy/promote", dependencies=[AdminAuth])
+@router.post("/v1/policy/promote", dependencies=[GlobalAdminAuth])
 async def promote(body: OptionalVersion, state: State) -> dict[str, Any]:
     """Promote a candidate or canary now (default: the undecided one): it becomes the incumbent."""
     return await apply(state, promotion.decide_by_operator, "promote", body.version)
 
 
-@router.post("/v1/policy/reject", dependencies=[AdminAuth])
+@router.post("/v1/policy/reject", dependencies=[GlobalAdminAuth])
 async def reject(body: OptionalVersion, state: State) -> dict[str, Any]:
     """Reject a candidate or canary now (default: the undecided one): the incumbent serves everything again and the
     trainer goes on from the incumbent's weights."""

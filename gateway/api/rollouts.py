@@ -1,7 +1,8 @@
 """Rollout lifecycle routes: create, reward, finish, list, inspect; per-call feedback.
 
-Keys: creating and listing rollouts and posting feedback need the admin key; a rollout's own key (returned once,
+Keys: creating and listing rollouts and posting feedback need an admin key; a rollout's own key (returned once,
 at creation) can serve calls under its ``base_url``, post its reward, finish it and read it — and nothing else.
+A tenant's admin key works on its own tenant's rollouts and calls only: another tenant's ids read "not found".
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 
 from gateway.api.rollouts_wire import CreateRollout, FinishRollout, PostFeedback, PostReward
-from gateway.deps import AdminAuth, authorize_raw, authorize_rollout, store_caught_up
-from gateway.errors import Conflict, NotFound
+from gateway.deps import AdminAuth, authorize_raw, authorize_rollout, principal_of, rollout_tenant, store_caught_up
+from gateway.errors import BadRequest, Conflict, Forbidden, NotFound
 from gateway.state import State
 from gateway.store import console, rollout_lifecycle
+from gateway.store.api_keys import check_tenant_name
 from gateway.store.training_data import load_rollout
 from prefix_tree import TreeConfig
 
@@ -25,6 +27,14 @@ router = APIRouter()
 
 @router.post("/v1/rollouts", dependencies=[AdminAuth], status_code=201)
 async def create_rollout(body: CreateRollout, request: Request, state: State) -> dict[str, Any]:
+    principal = principal_of(request)
+    tenant = body.tenant or principal.serving_tenant
+    if not principal.sees(tenant):
+        raise Forbidden("a tenant's admin key creates rollouts of its own tenant only", param="tenant")
+    try:
+        check_tenant_name(tenant)
+    except ValueError as exc:
+        raise BadRequest(str(exc), param="tenant") from None
     try:
         rollout, key = await asyncio.to_thread(
             rollout_lifecycle.create,
@@ -35,11 +45,12 @@ async def create_rollout(body: CreateRollout, request: Request, state: State) ->
             metadata=body.metadata,
             eval=body.eval,
             policy_version=body.policy_version,
+            tenant=tenant,
         )
     except rollout_lifecycle.VersionNotServable as exc:
         error = NotFound if exc.stage is None else Conflict
         raise error(str(exc), param="policy_version") from None
-    state.rollout_keys[rollout.id] = rollout_lifecycle.Access(rollout.api_key_hash, rollout.policy_version)
+    state.rollout_keys[rollout.id] = rollout_lifecycle.Access(rollout.api_key_hash, rollout.policy_version, tenant)
     base = str(request.base_url).rstrip("/")
     return {**rollout_lifecycle.summary(rollout), "api_key": key, "base_url": f"{base}/rollouts/{rollout.id}/v1"}
 
@@ -67,6 +78,7 @@ async def finish_rollout(rollout_id: str, request: Request, state: State) -> dic
 
 @router.get("/v1/rollouts", dependencies=[AdminAuth])
 async def list_rollouts(
+    request: Request,
     state: State,
     task_id: str | None = None,
     harness: str | None = None,
@@ -78,8 +90,16 @@ async def list_rollouts(
     eval: bool | None = None,
     limit: int = Query(default=50, ge=1, le=500),
     cursor: str | None = None,
+    tenant: str | None = None,
 ) -> dict[str, Any]:
-    f = rollout_lifecycle.RolloutFilter(task_id, harness, status, group, policy_version, since, until, eval)
+    """Rollouts, newest first; a tenant admin's list holds its tenant's only (``tenant`` filters the global
+    admin's)."""
+    principal = principal_of(request)
+    if principal.tenant is not None:
+        if tenant is not None and tenant != principal.tenant:
+            return {"object": "list", "data": [], "next_cursor": None}
+        tenant = principal.tenant
+    f = rollout_lifecycle.RolloutFilter(task_id, harness, status, group, policy_version, since, until, eval, tenant)
     rows, next_cursor = await asyncio.to_thread(
         rollout_lifecycle.list_rollouts, state.db, f, limit=limit, cursor=cursor
     )
@@ -130,15 +150,20 @@ async def get_tree(
 
 
 @router.post("/v1/feedback", dependencies=[AdminAuth], status_code=201)
-async def post_feedback(body: PostFeedback, state: State) -> dict[str, Any]:
+async def post_feedback(body: PostFeedback, request: Request, state: State) -> dict[str, Any]:
+    principal = principal_of(request)
     await store_caught_up(state)
     if body.call_id is not None:
         targets = [(body.call_id, await asyncio.to_thread(rollout_lifecycle.call_rollout, state.db, body.call_id))]
     else:
         assert body.response_id is not None
         targets = await asyncio.to_thread(rollout_lifecycle.calls_of_request, state.db, body.response_id)
-        if not targets:
-            raise NotFound(f"no calls for response {body.response_id!r}", param="response_id")
+    if principal.tenant is not None:  # another tenant's calls read as unknown ones
+        targets = [(c, r) for c, r in targets if await rollout_tenant(state, r) == principal.tenant]
+        if not targets and body.call_id is not None:
+            raise NotFound(f"call {body.call_id!r} not found", param="call_id")
+    if not targets:
+        raise NotFound(f"no calls for response {body.response_id!r}", param="response_id")
     rewards = []
     for call_id, rollout_id in targets:
         reward = await asyncio.to_thread(

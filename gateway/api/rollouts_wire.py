@@ -19,6 +19,8 @@ class CreateRollout(TolerantModel):
     eval: bool = False
     # Serve every call of the rollout by this policy version (evaluating a version before it serves traffic).
     policy_version: int | None = Field(default=None, ge=0)
+    # The tenant it belongs to (the global admin's choice; a tenant admin's rollouts are its tenant's).
+    tenant: str | None = Field(default=None, max_length=64)
 
 
 def _finite(value: float) -> float:

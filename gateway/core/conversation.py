@@ -158,9 +158,18 @@ def tools_hash(tools: list[ToolSpec]) -> bytes:
     return _digest(b"tools\x00", canon.encode())
 
 
-def prefix_hashes(messages: list[Message], tools: list[ToolSpec]) -> list[bytes]:
-    """``out[i]`` identifies the conversation ``messages[: i + 1]`` under ``tools`` (a running hash chain)."""
+def _tenant_salt(tenant: str) -> bytes:
+    # The default tenant's hashes are unsalted, as they were before tenants: stored calls keep continuing.
+    return b"" if tenant == "default" else b"tenant\x00" + tenant.encode() + b"\x00"
+
+
+def prefix_hashes(messages: list[Message], tools: list[ToolSpec], tenant: str = "default") -> list[bytes]:
+    """``out[i]`` identifies the conversation ``messages[: i + 1]`` under ``tools`` (a running hash chain), for
+    ``tenant``: the same conversation sent by two tenants hashes differently, so neither can continue the other's
+    (in memory or in the database) or learn that it exists."""
     h = tools_hash(tools)
+    if tenant != "default":
+        h = _digest(h, _tenant_salt(tenant))
     out: list[bytes] = []
     for message in messages:
         h = _digest(h, normalized(message).encode())
@@ -172,9 +181,10 @@ def extend_hash(previous: bytes, message: Message) -> bytes:
     return _digest(previous, normalized(message).encode())
 
 
-def output_hash(message: Message) -> bytes:
-    """Identifies an assistant turn by its content alone (to tell "ours, but history differs" from "not ours")."""
-    return _digest(b"out\x00", normalized(message).encode())
+def output_hash(message: Message, tenant: str = "default") -> bytes:
+    """Identifies an assistant turn by its content alone (to tell "ours, but history differs" from "not ours"), for
+    ``tenant``."""
+    return _digest(b"out\x00" + _tenant_salt(tenant), normalized(message).encode())
 
 
 def exact_hash(raw_message: Any) -> bytes:

@@ -30,6 +30,8 @@ class RolloutRef:
     kind: str = "explicit"
     # The policy version every call of the rollout is served by (an evaluation); None: routed as any other.
     policy_version: int | None = None
+    # The tenant whose key sent the request: its calls join only its own conversations and rollouts.
+    tenant: str = "default"
 
 
 @dataclass(slots=True, frozen=True)
@@ -84,10 +86,17 @@ class ResponseCapture:
     stored: bool
     items: list[Message]
     answer: Callable[[ParsedOutput], Message]
+    tenant: str = "default"  # only this tenant's requests may continue it
 
     def row(self, response_id: str, output: ParsedOutput) -> dict[str, Any]:
         items = [message_to_dict(m) for m in [*self.items, self.answer(output)]] if self.stored else None
-        return {"id": response_id, "previous_id": self.previous_id, "stored": self.stored, "items": items}
+        return {
+            "id": response_id,
+            "previous_id": self.previous_id,
+            "stored": self.stored,
+            "items": items,
+            "tenant": self.tenant,
+        }
 
 
 @dataclass(slots=True)

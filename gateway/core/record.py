@@ -94,7 +94,11 @@ def call_record(call: PlannedCall, index: int, engine: str, got: Generated, outc
         ttft_ms=None if got.t_first is None else (got.t_first - call.t0) * 1000,
         engine_ms=engine_s * 1000,
         gateway_ms=max(total_s - engine_s, 0.0) * 1000,
-        rollout=RolloutRecord(id=call.rollout_id, kind=job.rollout.kind if job.rollout.id is not None else "implicit"),
+        rollout=RolloutRecord(
+            id=call.rollout_id,
+            kind=job.rollout.kind if job.rollout.id is not None else "implicit",
+            tenant=job.rollout.tenant,
+        ),
     )
 
 

@@ -51,71 +51,75 @@ class ResponseStore:
         self.max_unstored_ids = max_unstored_ids
         self.db = db
         self.miss_wait_s = miss_wait_s
-        self._conversations: OrderedDict[str, tuple[Message, ...]] = OrderedDict()
-        self._unstored: OrderedDict[str, None] = OrderedDict()
+        # response id -> (its tenant, its conversation); an id of another tenant is "not found".
+        self._conversations: OrderedDict[str, tuple[str, tuple[Message, ...]]] = OrderedDict()
+        self._unstored: OrderedDict[str, str] = OrderedDict()  # response id -> its tenant
 
     def __len__(self) -> int:
         return len(self._conversations)
 
-    def put(self, response_id: str, conversation: Sequence[Message]) -> None:
-        self._conversations[response_id] = tuple(conversation)
+    def put(self, response_id: str, conversation: Sequence[Message], tenant: str = "default") -> None:
+        self._conversations[response_id] = (tenant, tuple(conversation))
         self._conversations.move_to_end(response_id)
         while len(self._conversations) > self.max_responses:
             self._conversations.popitem(last=False)
 
-    def mark_unstored(self, response_id: str) -> None:
-        self._unstored[response_id] = None
+    def mark_unstored(self, response_id: str, tenant: str = "default") -> None:
+        self._unstored[response_id] = tenant
         while len(self._unstored) > self.max_unstored_ids:
             self._unstored.popitem(last=False)
 
-    def get(self, response_id: str) -> tuple[Message, ...] | None:
-        """The cached conversation ending with that response's answer, or None if this process does not hold it."""
-        conversation = self._conversations.get(response_id)
-        if conversation is not None:
-            self._conversations.move_to_end(response_id)
-        return conversation
+    def get(self, response_id: str, tenant: str = "default") -> tuple[Message, ...] | None:
+        """The cached conversation ending with that response's answer, or None if this process does not hold it
+        for ``tenant``."""
+        held = self._conversations.get(response_id)
+        if held is None or held[0] != tenant:
+            return None
+        self._conversations.move_to_end(response_id)
+        return held[1]
 
     def discard(self, response_ids: Iterable[str]) -> None:
         """Forget these responses (deleted from the database): a continuation of one is refused as unknown."""
         for response_id in response_ids:
             self._conversations.pop(response_id, None)
 
-    def was_unstored(self, response_id: str) -> bool:
-        """Whether this process knows the response was created with ``store: false``."""
-        return response_id in self._unstored
+    def was_unstored(self, response_id: str, tenant: str = "default") -> bool:
+        """Whether this process knows the response was created with ``store: false`` (by ``tenant``)."""
+        return self._unstored.get(response_id) == tenant
 
-    async def find(self, response_id: str) -> tuple[Message, ...] | Found:
-        """The stored conversation ending with that response's answer: from the cache, else from the database."""
-        conversation = self.get(response_id)
+    async def find(self, response_id: str, tenant: str = "default") -> tuple[Message, ...] | Found:
+        """The stored conversation ending with that response's answer: from the cache, else from the database.
+        Another tenant's response is MISSING, as an unknown one is."""
+        conversation = self.get(response_id, tenant)
         if conversation is not None:
             return conversation
-        if self.was_unstored(response_id):
+        if self.was_unstored(response_id, tenant):
             return Found.UNSTORED
         if self.db is None:
             return Found.MISSING
         deadline = time.monotonic() + self.miss_wait_s
         while True:
-            found = await asyncio.to_thread(self._load, response_id)
+            found = await asyncio.to_thread(self._load, response_id, tenant)
             if found is not Found.MISSING or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(MISS_POLL_S)
         if found is Found.UNSTORED:
-            self.mark_unstored(response_id)
+            self.mark_unstored(response_id, tenant)
         elif found is not Found.MISSING:
-            self.put(response_id, found)
+            self.put(response_id, found, tenant)
         return found
 
-    def _load(self, response_id: str) -> tuple[Message, ...] | Found:
+    def _load(self, response_id: str, tenant: str) -> tuple[Message, ...] | Found:
         """The conversation from the database, read back to a response this process holds (or to the first)."""
         assert self.db is not None
-        found = stored_responses.chain(self.db, response_id, lambda rid: rid in self._conversations)
+        found = stored_responses.chain(self.db, response_id, lambda rid: rid in self._conversations, tenant)
         if found.status != "ok":
             return Found.UNSTORED if found.status == "unstored" else Found.MISSING
         base: tuple[Message, ...] = ()
         if found.base is not None:
             held = self._conversations.get(found.base)
             if held is None:  # evicted meanwhile: read the whole chain
-                found = stored_responses.chain(self.db, response_id, lambda rid: False)
+                found = stored_responses.chain(self.db, response_id, lambda rid: False, tenant)
             else:
-                base = held
+                base = held[1]
         return (*base, *(message_from_dict(item) for item in found.items))

@@ -274,7 +274,14 @@ class ChatService:
             return PromptPlan(list(job.prompt_ids), "raw", None, []), [], False
         shared = self.continuity
         plan = plan_prompt(
-            self.renderer, self.index, scope, job.messages, job.tools, shared.stored_parent, shared.known_outputs
+            self.renderer,
+            self.index,
+            scope,
+            job.messages,
+            job.tools,
+            shared.stored_parent,
+            shared.known_outputs,
+            tenant=job.rollout.tenant,
         )
         raw = job.raw_messages
         exact = [exact_hash(m) for m in raw] if isinstance(raw, list) else []
@@ -422,7 +429,7 @@ class ChatService:
             explicit=prep.job.rollout.id is not None,
             policy_version=prep.policy_version,
         )
-        out = output_hash(answer)
+        out = output_hash(answer, prep.job.rollout.tenant)
         self.index.add(prep.job.rollout.id, tail, out, entry)
         return tail.hex(), out.hex()
 

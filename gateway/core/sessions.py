@@ -161,6 +161,7 @@ def plan_prompt(
     tools: list[ToolSpec],
     fallback: Fallback | None = None,
     known_outputs: KnownOutputs | None = None,
+    tenant: str = "default",
 ) -> PromptPlan:
     """Render a request's prompt, splicing the raw ids of the latest earlier answer it continues.
 
@@ -168,7 +169,7 @@ def plan_prompt(
     (another process answered it, a restart, or the index evicted the conversation); ``known_outputs`` tells
     whether assistant turns the index does not know were generated here all the same.
     """
-    hashes = prefix_hashes(messages, tools)
+    hashes = prefix_hashes(messages, tools, tenant)
     assistant_at = [i for i, m in enumerate(messages) if m.role == "assistant"]
     parent: CallEntry | None = None
     splice_at = -1
@@ -189,7 +190,7 @@ def plan_prompt(
                     break
     # An answer of ours that we could not splice (its history was rewritten, or it sits after the splice point)
     # means the prompt re-tokenizes model output: that is drift, counted and recorded.
-    after = [output_hash(messages[i]) for i in assistant_at if i > splice_at]
+    after = [output_hash(messages[i], tenant) for i in assistant_at if i > splice_at]
     unknown = [h for h in after if not index.is_known_output(scope, h)]
     drifted = len(unknown) < len(after) or bool(unknown and known_outputs is not None and known_outputs(scope, unknown))
     if parent is not None:

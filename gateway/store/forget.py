@@ -36,29 +36,47 @@ def forget(
     rollouts: Sequence[str] = (),
     sessions: Sequence[str] = (),
     calls: Sequence[str] = (),
+    tenants: Sequence[str] = (),
+    within: str | None = None,
     progress: Callable[[Report], None] | None = None,
 ) -> Report:
-    """Delete the named rollouts, harness sessions and calls, every call continuing them and everything derived
-    (see the module docstring). Ids that are not there are reported in ``not_found``."""
-    if not (rollouts or sessions or calls):
-        raise NothingToForget("name at least one rollout, session or call to forget")
+    """Delete the named rollouts, harness sessions and calls, every rollout of the named ``tenants``, every call
+    continuing them and everything derived (see the module docstring). ``within``: only that tenant's data is
+    found (a tenant admin's forget); another tenant's ids read as not there. Ids that are not there are reported
+    in ``not_found``."""
+    if not (rollouts or sessions or calls or tenants):
+        raise NothingToForget("name at least one rollout, session, call or tenant to forget")
     started = time.perf_counter()
     report = Report()
     rollout_table, call_table = Rollout.__table__, Call.__table__
     wanted_rollouts = list(dict.fromkeys(rollouts))
     session_ids = {s: session_rollout_ids(s) for s in dict.fromkeys(sessions)}
+    scoped = (rollout_table.c.tenant == within) if within is not None else sa.true()
     with db.connect() as connection:
         named = [r for ids in session_ids.values() for r in ids] + wanted_rollouts
         existing: set[str] = set()
         for chunk in _chunks(named):
-            existing.update(connection.scalars(sa.select(rollout_table.c.id).where(rollout_table.c.id.in_(chunk))))
+            existing.update(
+                connection.scalars(sa.select(rollout_table.c.id).where(rollout_table.c.id.in_(chunk), scoped))
+            )
         found_calls: set[str] = set()
         for chunk in _chunks(list(calls)):
-            found_calls.update(connection.scalars(sa.select(call_table.c.id).where(call_table.c.id.in_(chunk))))
+            found_calls.update(
+                connection.scalars(
+                    sa.select(call_table.c.id)
+                    .join(rollout_table, rollout_table.c.id == call_table.c.rollout_id)
+                    .where(call_table.c.id.in_(chunk), scoped)
+                )
+            )
+        of_tenants: dict[str, list[str]] = {}
+        for name in dict.fromkeys(tenants):
+            query = sa.select(rollout_table.c.id).where(rollout_table.c.tenant == name, scoped)
+            of_tenants[name] = list(connection.scalars(query))
     report.not_found = [r for r in wanted_rollouts if r not in existing]
     report.not_found += [s for s, ids in session_ids.items() if not existing.intersection(ids)]
     report.not_found += [c for c in dict.fromkeys(calls) if c not in found_calls]
-    whole = sorted(existing)
+    report.not_found += [t for t, ids in of_tenants.items() if not ids]
+    whole = sorted(existing.union(*of_tenants.values()))
 
     # Rollouts in batches of about BATCH_CALLS calls, then the single calls with their continuations.
     for chunk in _chunks(whole, 50):

@@ -87,6 +87,8 @@ class Rollout(Base):
     policy_version: Mapped[int | None] = mapped_column(sa.Integer)
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSONValue)
     api_key_hash: Mapped[str | None] = mapped_column(sa.String)
+    # The tenant whose key served (or created) it: only that tenant's keys and the global admin see it.
+    tenant: Mapped[str] = mapped_column(sa.String(64), default="default", server_default="default", index=True)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     # Time of the latest activity; the trainer looks for rollouts by (status, updated_at).
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
@@ -317,6 +319,8 @@ class StoredResponse(Base):
     previous_id: Mapped[str | None] = mapped_column(sa.String(64), index=True)
     stored: Mapped[bool] = mapped_column(sa.Boolean)
     items: Mapped[bytes | None] = mapped_column(sa.LargeBinary)
+    # Only a key of this tenant may continue it (another tenant's request reads "not found").
+    tenant: Mapped[str] = mapped_column(sa.String(64), default="default", server_default="default")
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
@@ -389,3 +393,27 @@ class ExportRollout(Base):
     export_id: Mapped[int] = mapped_column(sa.Integer, sa.ForeignKey("exports.id"), primary_key=True)
     # No foreign key: the file keeps what it holds whatever happens to the rows (a prune); a forget cleans both.
     rollout_id: Mapped[str] = mapped_column(sa.String(128), primary_key=True, index=True)
+
+
+class Tenant(Base):
+    """A team or product served by this clawgate (``gateway/tenants``): its keys and its data are its own."""
+
+    __tablename__ = "tenants"
+
+    name: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class ApiKey(Base):
+    """A client or tenant-admin key. Only an HMAC-SHA256 of the key is stored; ``id`` is the key's public part."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    tenant: Mapped[str] = mapped_column(sa.String(64), sa.ForeignKey("tenants.name"), index=True)
+    role: Mapped[str] = mapped_column(sa.String(16))  # "user" | "admin"
+    key_hash: Mapped[str] = mapped_column(sa.String(64))
+    name: Mapped[str | None] = mapped_column(sa.String)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    expires_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())

@@ -36,6 +36,7 @@ class RolloutRecord:
     created_at: dt.datetime = field(default_factory=utcnow)
     updated_at: dt.datetime = field(default_factory=utcnow)
     finished_at: dt.datetime | None = None
+    tenant: str = "default"  # kept from the first record of the rollout (an upsert never changes it)
 
 
 @dataclass(slots=True)

@@ -322,14 +322,17 @@ def _calls_of(connection: sa.Connection, rollout_ids: Sequence[str]) -> dict[str
     return found
 
 
-def _old_batches(db: sa.Engine, cutoff: dt.datetime) -> Iterator[list[str]]:
-    """The ids of the rollouts idle since before ``cutoff``, in batches of about BATCH_CALLS calls."""
+def _old_batches(db: sa.Engine, cutoff: dt.datetime, tenant: str | None = None) -> Iterator[list[str]]:
+    """The ids of the rollouts idle since before ``cutoff`` (of ``tenant`` only, if named), in batches of about
+    BATCH_CALLS calls."""
     rollouts, calls = Rollout.__table__, Call.__table__
     after: str | None = None
     while True:
         # Keyset pagination over the id: kept rollouts stay behind the cursor, deleted ones are gone.
         with db.connect() as connection:
             query = sa.select(rollouts.c.id).where(rollouts.c.updated_at < cutoff)
+            if tenant is not None:
+                query = query.where(rollouts.c.tenant == tenant)
             if after is not None:
                 query = query.where(rollouts.c.id > after)
             ids = list(connection.scalars(query.order_by(rollouts.c.id).limit(CHUNK)))
@@ -384,15 +387,16 @@ def prune(
     keep_trained_summaries: bool = False,
     now: dt.datetime | None = None,
     progress: Callable[[Report], None] | None = None,
+    tenant: str | None = None,
 ) -> Report:
-    """Delete the rollouts with no activity for ``older_than`` (open ones too: their sessions ended long ago), with
-    everything derived from them (see the module docstring)."""
+    """Delete the rollouts (of ``tenant`` only, if named) with no activity for ``older_than`` (open ones too: their
+    sessions ended long ago), with everything derived from them (see the module docstring)."""
     if older_than <= dt.timedelta(0):
         raise ValueError("older_than must be positive")
     started = time.perf_counter()
     cutoff = (now or utcnow()) - older_than
     report = Report()
-    for batch in _old_batches(db, cutoff):
+    for batch in _old_batches(db, cutoff, tenant):
         report.add(
             _retrying(
                 db, functools.partial(_prune_batch, batch=batch, cutoff=cutoff, keep_trained=keep_trained_summaries)

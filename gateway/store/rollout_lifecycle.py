@@ -73,9 +73,10 @@ def create(
     metadata: dict[str, Any] | None,
     eval: bool = False,
     policy_version: int | None = None,
+    tenant: str = "default",
 ) -> tuple[Rollout, str]:
-    """A new explicit rollout and its key. ``policy_version``: every call is served by that version, which must be
-    published and not rejected (``VersionNotServable`` otherwise)."""
+    """A new explicit rollout of ``tenant`` and its key. ``policy_version``: every call is served by that version,
+    which must be published and not rejected (``VersionNotServable`` otherwise)."""
     key = new_rollout_key()
     now = utcnow()
     rollout = Rollout(
@@ -89,6 +90,7 @@ def create(
         eval=eval,
         policy_version=policy_version,
         api_key_hash=hash_key(key),
+        tenant=tenant,
         created_at=now,
         updated_at=now,
     )
@@ -103,19 +105,21 @@ def create(
 
 @dataclass(frozen=True, slots=True)
 class Access:
-    """What serving needs of an explicit rollout: its key's hash (None: no key) and the version it is pinned to."""
+    """What serving needs of an explicit rollout: its key's hash (None: no key), the version it is pinned to and
+    its tenant (None: the rollout does not exist, as far as this process knows)."""
 
     key_hash: str | None = None
     policy_version: int | None = None
+    tenant: str | None = None
 
 
 def access_of(db: sa.Engine, rollout_id: str) -> Access:
-    """A rollout that does not exist (yet: a client may name one on its first call) has neither."""
+    """A rollout that does not exist (yet: a client may name one on its first call) has none of them."""
     with Session(db) as session:
         row = session.execute(
-            sa.select(Rollout.api_key_hash, Rollout.policy_version).where(Rollout.id == rollout_id)
+            sa.select(Rollout.api_key_hash, Rollout.policy_version, Rollout.tenant).where(Rollout.id == rollout_id)
         ).one_or_none()
-    return Access() if row is None else Access(row[0], row[1])
+    return Access() if row is None else Access(row[0], row[1], row[2])
 
 
 def _get(session: Session, rollout_id: str) -> Rollout:
@@ -230,6 +234,7 @@ class RolloutFilter:
     since: dt.datetime | None = None
     until: dt.datetime | None = None
     eval: bool | None = None
+    tenant: str | None = None
 
 
 def encode_cursor(rollout: Rollout) -> str:
@@ -256,6 +261,7 @@ def list_rollouts(
         (Rollout.harness, f.harness),
         (Rollout.status, f.status),
         (Rollout.group_key, f.group),
+        (Rollout.tenant, f.tenant),
     ):
         if value is not None:
             query = query.where(column == value)
@@ -292,6 +298,7 @@ def summary(rollout: Rollout) -> dict[str, Any]:
         "finish_reason": rollout.finish_reason,
         "eval": rollout.eval,
         "policy_version": rollout.policy_version,
+        "tenant": rollout.tenant,
         "metadata": rollout.metadata_,
         "created_at": rollout.created_at.isoformat(),
         "updated_at": rollout.updated_at.isoformat(),

@@ -58,6 +58,7 @@ def _rollout_row(record: RolloutRecord) -> dict[str, Any]:
         "created_at": record.created_at,
         "updated_at": record.updated_at,
         "finished_at": record.finished_at,
+        "tenant": record.tenant,
     }
 
 
@@ -147,6 +148,7 @@ def _response_row(record: CallRecord) -> dict[str, Any]:
         "stored": bool(response.get("stored")),
         "items": None if items is None else codec.pack_request({"items": items}),
         "created_at": record.ended_at,
+        "tenant": response.get("tenant", "default"),
     }
 
 

@@ -25,8 +25,9 @@ class Chain:
     base: str | None = None  # the cached ancestor the walk stopped at (None: the chain's first response)
 
 
-def chain(db: sa.Engine, response_id: str, cached: Callable[[str], bool]) -> Chain:
-    """The items of ``response_id`` and its ancestors back to the first one, or to one that ``cached`` holds."""
+def chain(db: sa.Engine, response_id: str, cached: Callable[[str], bool], tenant: str = "default") -> Chain:
+    """The items of ``response_id`` and its ancestors back to the first one, or to one that ``cached`` holds.
+    Another tenant's response is "missing" (its existence is not revealed)."""
     added: list[bytes] = []  # newest first
     current: str | None = response_id
     base: str | None = None
@@ -36,7 +37,7 @@ def chain(db: sa.Engine, response_id: str, cached: Callable[[str], bool]) -> Cha
                 base = current
                 break
             row = session.get(StoredResponse, current)
-            if row is None:
+            if row is None or row.tenant != tenant:
                 return Chain("missing")
             if not row.stored or row.items is None:
                 return Chain("unstored" if current == response_id else "missing")

@@ -180,10 +180,14 @@ def turn_trees(db: sa.Engine, calls: list[TurnData], secrets: str = "exclude") -
     return out
 
 
-def rollout_ids(db: sa.Engine, *, status: str | None = None, limit: int | None = None) -> list[str]:
+def rollout_ids(
+    db: sa.Engine, *, status: str | None = None, limit: int | None = None, tenant: str | None = None
+) -> list[str]:
     query = sa.select(Rollout.id).order_by(Rollout.created_at, Rollout.id)
     if status is not None:
         query = query.where(Rollout.status == status)
+    if tenant is not None:
+        query = query.where(Rollout.tenant == tenant)
     if limit is not None:
         query = query.limit(limit)
     with Session(db) as session:

@@ -168,8 +168,8 @@ def to_tools(tools: Sequence[ToolIn] | None) -> list[ToolSpec]:
     return specs
 
 
-async def _history(responses: ResponseStore, response_id: str) -> list[Message]:
-    found = await responses.find(response_id)
+async def _history(responses: ResponseStore, response_id: str, tenant: str) -> list[Message]:
+    found = await responses.find(response_id, tenant)
     if not isinstance(found, Found):
         return list(found)
     if found is Found.UNSTORED:
@@ -241,12 +241,17 @@ def _status(result: ChoiceResult) -> tuple[str, str | None]:
 
 
 def _remember(
-    responses: ResponseStore, req: ResponsesRequest, response_id: str, conversation: list[Message], answer: Message
+    responses: ResponseStore,
+    req: ResponsesRequest,
+    response_id: str,
+    conversation: list[Message],
+    answer: Message,
+    tenant: str,
 ) -> None:
     if req.stored:
-        responses.put(response_id, [*conversation, answer])
+        responses.put(response_id, [*conversation, answer], tenant)
     else:
-        responses.mark_unstored(response_id)
+        responses.mark_unstored(response_id, tenant)
 
 
 class OutputItems(BlockStream, StreamEncoder):
@@ -299,7 +304,9 @@ class OutputItems(BlockStream, StreamEncoder):
         async for ev in events:
             if isinstance(ev, ChoiceResult):
                 # Stored before the client hears of completion, so an immediate continuation finds it.
-                _remember(self.responses, self.req, self.response_id, self.conversation, self.answer.message(ev.output))
+                tenant = self.prep.job.rollout.tenant
+                answer = self.answer.message(ev.output)
+                _remember(self.responses, self.req, self.response_id, self.conversation, answer, tenant)
                 yield Last(out + b"".join(self.finish(ev)))
                 out = b""
             else:
@@ -392,7 +399,8 @@ class ResponsesServing(ProtocolServing[ResponsesRequest]):
 
     async def serve(self, req: ResponsesRequest, raw: dict[str, Any], rollout: RolloutRef) -> Response:
         responses = self.state.responses
-        conversation = await _history(responses, req.previous_response_id) if req.previous_response_id else []
+        previous = req.previous_response_id
+        conversation = await _history(responses, previous, rollout.tenant) if previous else []
         history = len(conversation)
         if isinstance(req.input, str):
             conversation.append(Message(role="user", content=req.input))
@@ -412,14 +420,16 @@ class ResponsesServing(ProtocolServing[ResponsesRequest]):
             tool_use=tool_use, json_output=req.json_output(),
         )  # fmt: skip
         # Committed with the call, so any gateway process can continue this response.
-        job.response = ResponseCapture(req.previous_response_id, req.stored, conversation[history:], answer.message)
+        job.response = ResponseCapture(
+            req.previous_response_id, req.stored, conversation[history:], answer.message, rollout.tenant
+        )
         prep = await self.service.plan(job)
         created_at = int(time.time())
         choices = [self.service.run_choice(prep, 0)]
         if req.stream:
             return await self.stream(prep, choices, OutputItems(req, prep, created_at, responses, conversation, answer))
         [result] = await collect_all(choices, answer.observe)
-        _remember(responses, req, prep.request_id, conversation, answer.message(result.output))
+        _remember(responses, req, prep.request_id, conversation, answer.message(result.output), rollout.tenant)
         status, reason = _status(result)
         body = response_object(
             req,

@@ -1,0 +1,121 @@
+"""``clawgate keys``: tenants' API keys from the command line (the same as ``/v1/admin/keys``).
+
+    clawgate keys create --tenant NAME [--role user|admin] [--expires 30d|ISO] [--name TEXT] [--json]
+    clawgate keys list [--tenant NAME] [--revoked] [--json]
+    clawgate keys revoke ID
+
+A key is printed once, when it is created; the database keeps only its keyed hash (``CLAWGATE_KEY_SECRET``: the
+gateways must run with the same secret). A tenant exists from its first key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from typing import Any
+
+from gateway.retention_cli import parse_duration
+
+
+def _expiry(text: str) -> dt.datetime:
+    """``30d`` (from now) or an ISO 8601 time (UTC unless it names a zone)."""
+    try:
+        return dt.datetime.now(dt.UTC) + parse_duration(text)
+    except argparse.ArgumentTypeError:
+        pass
+    try:
+        when = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a duration or an ISO time: {text!r} (examples: 30d, 2027-01-31, 2027-01-31T12:00:00Z)"
+        ) from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
+
+
+def register(sub: Any) -> None:
+    keys = sub.add_parser("keys", help="tenants' API keys: create (shown once), list, revoke")
+    actions = keys.add_subparsers(dest="keys_action", required=True)
+    create = actions.add_parser("create", help="a new key for a tenant (the tenant is created with its first key)")
+    create.add_argument("--tenant", required=True, metavar="NAME", help="the key's tenant (a-z, 0-9, _ . -)")
+    create.add_argument(
+        "--role",
+        choices=["user", "admin"],
+        default="user",
+        help="user: serving; admin: the tenant's rollouts, feedback, keys (default: user)",
+    )
+    create.add_argument("--expires", type=_expiry, metavar="WHEN", help="30d, 12h, or an ISO time; default: never")
+    create.add_argument("--name", help="a label to tell keys apart in `keys list`")
+    create.add_argument("--json", action="store_true", help="the key and its record as JSON")
+    listing = actions.add_parser("list", help="keys, newest first (never the keys themselves)")
+    listing.add_argument("--tenant", metavar="NAME", help="only this tenant's keys")
+    listing.add_argument("--revoked", action="store_true", help="include revoked keys")
+    listing.add_argument("--json", action="store_true", help="as JSON")
+    revoke = actions.add_parser("revoke", help="refuse a key from now on (every gateway within 1 s)")
+    revoke.add_argument("id", help="the key's id (the 12 hex digits after `cgk-`)")
+    revoke.add_argument("--json", action="store_true", help="the revoked key's record as JSON")
+    for p in (create, listing, revoke):
+        p.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
+        p.set_defaults(func=cmd_keys)
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from gateway.settings import Settings
+    from gateway.store import api_keys as keys
+    from gateway.store import db
+    from gateway.store.errors import InvalidInput, RecordNotFound
+
+    settings = Settings()
+    database = db.connect(args.database_url or settings.database_url)
+    try:
+        if args.keys_action == "create":
+            info, key = keys.create(
+                database,
+                args.tenant,
+                role=args.role,
+                name=args.name,
+                expires_at=args.expires,
+                secret=settings.key_secret_bytes,
+            )
+            if args.json:
+                print(json.dumps({**info.as_dict(), "key": key}, indent=2))
+            else:
+                print(key)
+                print(
+                    f"key {info.id}: tenant {info.tenant}, role {info.role}"
+                    + (f", expires {info.expires_at.isoformat()}" if info.expires_at else "")
+                    + ". It is shown this once; only its hash is stored.",
+                    file=sys.stderr,
+                )
+        elif args.keys_action == "list":
+            found = keys.list_keys(database, args.tenant, revoked=args.revoked)
+            if args.json:
+                print(json.dumps([k.as_dict() for k in found], indent=2))
+            else:
+                head = ("id", "tenant", "role", "created", "expires", "revoked")
+                print(f"{head[0]:<12}  {head[1]:<20}  {head[2]:<5}  {head[3]:<19}  {head[4]:<19}  {head[5]:<19}  name")
+                for k in found:
+                    print(
+                        f"{k.id:<12}  {k.tenant:<20}  {k.role:<5}  {_when(k.created_at)}  {_when(k.expires_at)}  "
+                        f"{_when(k.revoked_at)}  {k.name or ''}"
+                    )
+        else:
+            info = keys.revoke(database, args.id)
+            if args.json:
+                print(json.dumps(info.as_dict(), indent=2))
+            else:
+                print(f"revoked key {info.id} of tenant {info.tenant} (at {_when(info.revoked_at).strip()})")
+    except (InvalidInput, RecordNotFound) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        database.dispose()
+    return 0
+
+
+def _when(value: dt.datetime | None) -> str:
+    return value.strftime("%Y-%m-%d %H:%M:%S") if value is not None else f"{'-':<19}"
+
+
+__all__ = ["cmd_keys", "register"]
