@@ -1,8 +1,11 @@
-"""Tenant keys: what checking one costs per call, from the cache and from the database.
+"""Tenant keys and quotas: what checking a key costs per call, from the cache and from the database, and what a
+quota check costs.
 
 1. ``require_client`` (the serving routes' key check, as a request goes through it) with an environment key, a
    tenant key from the cache, and a tenant key read from the database on every call (the cache's TTL set to 0).
 2. The database read alone (one primary-key row and an HMAC), on SQLite and on Postgres.
+3. A quota check (``QuotaBook.admit``, in memory) with a tenant and a key limit, and with none; one exchange of the
+   counts with the database (``QuotaBook.sync``: an upsert, the limits, the totals), which runs 4 times a second.
 
     .venv/bin/python bench/tenant_keys.py [--postgres URL]
 """
@@ -25,8 +28,11 @@ from starlette.requests import Request  # noqa: E402
 
 from gateway import deps  # noqa: E402
 from gateway.state import AppState  # noqa: E402
-from gateway.store import api_keys, db  # noqa: E402
+from gateway.store import api_keys, db, quotas  # noqa: E402
+from gateway.store.quotas import Limits  # noqa: E402
 from gateway.tenants.cache import KeyCache  # noqa: E402
+from gateway.tenants.principal import Principal  # noqa: E402
+from gateway.tenants.quotas import QuotaBook  # noqa: E402
 
 SECRET = b"bench-secret"
 
@@ -80,6 +86,24 @@ def measure(url: str, label: str) -> None:
         lookups.append((time.perf_counter() - start) * 1e3)
     print(f"  lookup (row + HMAC), median / p99:     {statistics.median(lookups):.3f} / "
           f"{sorted(lookups)[int(len(lookups) * 0.99)]:.3f} ms")  # fmt: skip
+    book = QuotaBook(engine)
+    principal = Principal(tenant="bench", role="user", key_id="0123456789ab")
+    free = Principal(tenant="other", role="user")
+    book.limits = {"tenant:bench": Limits(10**9, 10**12), "key:0123456789ab": Limits(10**9, 10**12)}
+
+    async def admit(p: Principal) -> None:
+        book.admit(p)
+
+    print(f"  {'quota check, tenant + key limits:':<40}{per_call_us(lambda: admit(principal), 20000):8.2f} us/call")
+    print(f"  {'quota check, no limit:':<40}{per_call_us(lambda: admit(free), 20000):8.2f} us/call")
+    quotas.set_limits(engine, tenant="bench", requests_per_minute=10**9)
+    syncs = []
+    for _ in range(50):
+        book.admit(principal)
+        start = time.perf_counter()
+        asyncio.run(book.sync())
+        syncs.append((time.perf_counter() - start) * 1e3)
+    print(f"  {'quota counts exchange, median:':<40}{statistics.median(syncs):8.2f} ms (4 per second)")
     engine.dispose()
 
 

@@ -62,6 +62,7 @@ from gateway.store import adapter_leases, db, promotion, retention, rollout_life
 from gateway.store.errors import InvalidInput, RecordNotFound, is_transient
 from gateway.store.writer import CallWriter
 from gateway.tenants.cache import KeyCache
+from gateway.tenants.quotas import QuotaBook
 
 log = logging.getLogger("clawgate")
 
@@ -262,13 +263,17 @@ def serving_state(
             miss_wait_s=0.0 if settings.capture_durable else 1.0,
         ),
         keys=KeyCache(database, settings.key_secret_bytes, ttl=settings.key_cache_ttl),
+        quotas=QuotaBook(database, interval=settings.quota_sync_interval),
     )
 
 
 def start_loops(state: AppState, gateway_id: str) -> list[asyncio.Task[None]]:
-    """The idle-session closer, the adapter heartbeat and (with CLAWGATE_RETENTION_DAYS) retention, running."""
+    """The idle-session closer, the adapter heartbeat, the quota counters' exchange and (with
+    CLAWGATE_RETENTION_DAYS) retention, running."""
     settings, database = state.settings, state.db
+    assert state.quotas is not None
     tasks = [
+        asyncio.create_task(state.quotas.run()),
         asyncio.create_task(close_idle_sessions(database, state.writer, state.service, settings.session_idle_timeout)),
         asyncio.create_task(report_adapters(database, gateway_id, state.service, settings.adapter_heartbeat_interval)),
     ]

@@ -15,7 +15,7 @@ from fastapi import Depends, Request
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.core.job import RolloutRef
-from gateway.errors import BadRequest, EngineUnavailable, Forbidden, NotFound, Unauthorized
+from gateway.errors import BadRequest, EngineUnavailable, Forbidden, NotFound, RateLimited, Unauthorized
 from gateway.state import AppState, State
 from gateway.store import api_keys as tenant_keys
 from gateway.store import rollout_lifecycle
@@ -238,7 +238,13 @@ async def rollout_ref(request: Request, state: State) -> RolloutRef:
                 break
     # Claude Code marks calls made by a sub-agent; their credit from the rollout's reward is unclear.
     agent_id = headers.get("x-claude-code-agent-id")
-    tenant = principal_of(request).serving_tenant
+    principal = principal_of(request)
+    tenant = principal.serving_tenant
+    try:
+        meter = state.quotas.admit(principal) if state.quotas is not None else None
+    except RateLimited:
+        state.metrics.refused.labels("quota").inc()
+        raise
     pinned = None
     if rollout_id is not None:
         pinned = await _claim_rollout(state, rollout_id, tenant)
@@ -251,6 +257,7 @@ async def rollout_ref(request: Request, state: State) -> RolloutRef:
         kind=kind,
         policy_version=pinned,
         tenant=tenant,
+        usage=meter,
     )
 
 

@@ -3,6 +3,7 @@
     clawgate keys create --tenant NAME [--role user|admin] [--expires 30d|ISO] [--name TEXT] [--json]
     clawgate keys list [--tenant NAME] [--revoked] [--json]
     clawgate keys revoke ID
+    clawgate keys limit (--tenant NAME | --key ID) [--rpm N|off] [--tpm N|off]
 
 A key is printed once, when it is created; the database keeps only its keyed hash (``CLAWGATE_KEY_SECRET``: the
 gateways must run with the same secret). A tenant exists from its first key.
@@ -34,6 +35,18 @@ def _expiry(text: str) -> dt.datetime:
     return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
 
 
+def _limit(text: str) -> int | str:
+    if text == "off":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive integer or 'off': {text!r}")
+    return value
+
+
 def register(sub: Any) -> None:
     keys = sub.add_parser("keys", help="tenants' API keys: create (shown once), list, revoke")
     actions = keys.add_subparsers(dest="keys_action", required=True)
@@ -55,7 +68,17 @@ def register(sub: Any) -> None:
     revoke = actions.add_parser("revoke", help="refuse a key from now on (every gateway within 1 s)")
     revoke.add_argument("id", help="the key's id (the 12 hex digits after `cgk-`)")
     revoke.add_argument("--json", action="store_true", help="the revoked key's record as JSON")
-    for p in (create, listing, revoke):
+    limit = actions.add_parser(
+        "limit", help="requests and tokens per minute of a tenant (all its keys together) or of one key"
+    )
+    whose = limit.add_mutually_exclusive_group(required=True)
+    whose.add_argument("--tenant", metavar="NAME", help="the tenant's quota (`default`: the environment's keys)")
+    whose.add_argument("--key", metavar="ID", help="one key's quota")
+    limit.add_argument("--rpm", type=_limit, metavar="N|off", help="requests per minute (off: no limit)")
+    limit.add_argument("--tpm", type=_limit, metavar="N|off", help="prompt + completion tokens per minute (off: none)")
+    create.add_argument("--rpm", type=_limit, metavar="N", help="the key's requests per minute")
+    create.add_argument("--tpm", type=_limit, metavar="N", help="the key's tokens per minute")
+    for p in (create, listing, revoke, limit):
         p.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
         p.set_defaults(func=cmd_keys)
 
@@ -63,7 +86,7 @@ def register(sub: Any) -> None:
 def cmd_keys(args: argparse.Namespace) -> int:
     from gateway.settings import Settings
     from gateway.store import api_keys as keys
-    from gateway.store import db
+    from gateway.store import db, quotas
     from gateway.store.errors import InvalidInput, RecordNotFound
 
     settings = Settings()
@@ -77,6 +100,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
                 name=args.name,
                 expires_at=args.expires,
                 secret=settings.key_secret_bytes,
+                requests_per_minute=args.rpm if args.rpm != "off" else None,
+                tokens_per_minute=args.tpm if args.tpm != "off" else None,
             )
             if args.json:
                 print(json.dumps({**info.as_dict(), "key": key}, indent=2))
@@ -93,13 +118,32 @@ def cmd_keys(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps([k.as_dict() for k in found], indent=2))
             else:
-                head = ("id", "tenant", "role", "created", "expires", "revoked")
-                print(f"{head[0]:<12}  {head[1]:<20}  {head[2]:<5}  {head[3]:<19}  {head[4]:<19}  {head[5]:<19}  name")
+                head = ("id", "tenant", "role", "created", "expires", "revoked", "rpm", "tpm")
+                print(
+                    f"{head[0]:<12}  {head[1]:<20}  {head[2]:<5}  {head[3]:<19}  {head[4]:<19}  {head[5]:<19}  "
+                    f"{head[6]:>6}  {head[7]:>9}  name"
+                )
                 for k in found:
+                    rpm, tpm = k.requests_per_minute or "-", k.tokens_per_minute or "-"
                     print(
                         f"{k.id:<12}  {k.tenant:<20}  {k.role:<5}  {_when(k.created_at)}  {_when(k.expires_at)}  "
-                        f"{_when(k.revoked_at)}  {k.name or ''}"
+                        f"{_when(k.revoked_at)}  {rpm:>6}  {tpm:>9}  {k.name or ''}"
                     )
+        elif args.keys_action == "limit":
+            given = {
+                name: (None if value == "off" else value)
+                for name, value in (("requests_per_minute", args.rpm), ("tokens_per_minute", args.tpm))
+                if value is not None
+            }
+            target = {"tenant": args.tenant} if args.tenant else {"key_id": args.key}
+            limits = quotas.set_limits(database, **target, **given)
+            now_rpm, now_tpm = limits.requests_per_minute, limits.tokens_per_minute
+            print(
+                f"{'tenant ' + args.tenant if args.tenant else 'key ' + args.key}: "
+                f"{now_rpm if now_rpm is not None else 'no limit of'} requests and "
+                f"{now_tpm if now_tpm is not None else 'no limit of'} tokens per minute (every gateway within "
+                "CLAWGATE_QUOTA_SYNC_INTERVAL)"
+            )
         else:
             info = keys.revoke(database, args.id)
             if args.json:

@@ -87,7 +87,8 @@ class Metrics:
         self.in_flight = Gauge("clawgate_in_flight_calls", "Calls being generated", registry=r)
         self.refused = Counter(
             "clawgate_calls_refused",
-            "Calls refused before generating (503 with Retry-After): capture queue full, or concurrency limit",
+            "Calls refused before generating (503 with Retry-After: capture queue full, or concurrency limit; 429: a "
+            "tenant's or key's quota)",
             ["reason"],
             registry=r,
         )

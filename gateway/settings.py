@@ -229,6 +229,8 @@ class Settings(BaseSettings):
     key_secret: SecretStr | None = None
     # How long a gateway process trusts its verdict on a tenant key before reading it again (a revocation's delay).
     key_cache_ttl: float = Field(default=0.5, gt=0, le=60)
+    # How often a gateway process writes its quota counts and reads every process's (the quotas' error margin).
+    quota_sync_interval: float = Field(default=0.25, gt=0, le=60)
 
     log_level: str = "info"
 

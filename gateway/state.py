@@ -21,6 +21,7 @@ from gateway.settings import Settings
 from gateway.store.rollout_lifecycle import Access
 from gateway.store.writer import CallWriter
 from gateway.tenants.cache import KeyCache
+from gateway.tenants.quotas import QuotaBook
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -48,6 +49,7 @@ class AppState:
     # the most recently used rollouts (a forgotten one is read from the database again)
     rollout_keys: LRUDict[str, Access] = field(default_factory=lambda: LRUDict(ROLLOUT_KEYS_CACHED))
     keys: KeyCache | None = None  # tenant keys checked lately (``gateway/tenants/cache.py``)
+    quotas: QuotaBook | None = None  # requests and tokens per minute per tenant and key (``gateway/tenants/quotas.py``)
     policy: PolicyFollower | None = None  # follows the trainer's published versions (CLAWGATE_POLICY_FOLLOW)
 
     def check_model(self, name: str) -> None:

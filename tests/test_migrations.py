@@ -32,6 +32,7 @@ TABLES = {
     "export_rollouts",
     "tenants",
     "api_keys",
+    "quota_usage",
 }
 
 

@@ -177,9 +177,9 @@ def test_unknown_malformed_expired_and_revoked_keys_are_refused_in_each_apis_sha
     assert httpx.get(f"{gw.url}/v1/rollouts/{rollout}", headers=bearer(ADMIN)).json()["tenant"] == "default"
 
 
-def test_a_revoked_key_is_refused_by_a_second_gateway_process_within_a_second(
-    gw, keys, postgres_url, tiny_model_dir, tmp_path
-):
+@pytest.fixture
+def second_process(gw, postgres_url, tiny_model_dir, tmp_path):
+    """`clawgate serve` in a child process on the same Postgres as ``gw``: its base URL."""
     from tests.conftest import free_port
 
     port = free_port()
@@ -188,6 +188,7 @@ def test_a_revoked_key_is_refused_by_a_second_gateway_process_within_a_second(
             "CLAWGATE_DATABASE_URL": postgres_url,
             "CLAWGATE_MODEL": str(tiny_model_dir),
             "CLAWGATE_SERVED_MODEL_NAME": "tiny",
+            "CLAWGATE_MAX_TOKENS": "64",
             "CLAWGATE_ADMIN_KEY": ADMIN,
             "CLAWGATE_API_KEYS": CLIENT,
             "CLAWGATE_KEY_SECRET": SECRET,
@@ -199,9 +200,9 @@ def test_a_revoked_key_is_refused_by_a_second_gateway_process_within_a_second(
         args=["--port", str(port)],
     )
     other.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
         while True:
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
@@ -210,22 +211,143 @@ def test_a_revoked_key_is_refused_by_a_second_gateway_process_within_a_second(
                 pass
             assert other.proc.poll() is None and time.monotonic() < deadline, other.output
             time.sleep(0.3)
-        key = keys["beta-user"]
-        with httpx.Client(base_url=url, headers=bearer(key), timeout=10) as client:
-            for _ in range(5):  # the second process has the key in its cache
-                assert client.get("/v1/models").status_code == 200
-            r = httpx.post(f"{gw.url}/v1/admin/keys/{key.split('-')[1]}/revoke", headers=bearer(ADMIN))
-            assert r.status_code == 200
-            revoked_at = time.monotonic()
-            while client.get("/v1/models").status_code == 200:
-                assert time.monotonic() - revoked_at < 5, "the second process still takes the revoked key"
-                time.sleep(0.02)
-            refused_after = time.monotonic() - revoked_at
-            print(f"revoked key refused by the second process after {refused_after * 1000:.0f} ms")
-            assert refused_after < 1.0
-            assert client.get("/v1/models", headers=bearer(keys["beta-admin"])).status_code == 200
+        yield url
     finally:
         assert other.stop() in (0, -15), other.output
+
+
+def test_a_revoked_key_is_refused_by_a_second_gateway_process_within_a_second(gw, keys, second_process):
+    key = keys["beta-user"]
+    with httpx.Client(base_url=second_process, headers=bearer(key), timeout=10) as client:
+        for _ in range(5):  # the second process has the key in its cache
+            assert client.get("/v1/models").status_code == 200
+        r = httpx.post(f"{gw.url}/v1/admin/keys/{key.split('-')[1]}/revoke", headers=bearer(ADMIN))
+        assert r.status_code == 200
+        revoked_at = time.monotonic()
+        while client.get("/v1/models").status_code == 200:
+            assert time.monotonic() - revoked_at < 5, "the second process still takes the revoked key"
+            time.sleep(0.02)
+        refused_after = time.monotonic() - revoked_at
+        print(f"revoked key refused by the second process after {refused_after * 1000:.0f} ms")
+        assert refused_after < 1.0
+        assert client.get("/v1/models", headers=bearer(keys["beta-admin"])).status_code == 200
+
+
+# -- quotas ---------------------------------------------------------------------------------------------------------
+
+
+def test_quotas_hold_across_two_gateway_processes_with_429_and_retry_after(gw, keys, second_process):
+    urls = [gw.url, second_process]
+    admin = bearer(ADMIN)
+    # beta: 6 requests a minute over all its keys; one acme key: 10 tokens a minute (a call's prompt alone passes it).
+    r = httpx.post(f"{gw.url}/v1/admin/quotas", json={"tenant": "beta", "requests_per_minute": 6}, headers=admin)
+    assert r.status_code == 200 and r.json()["requests_per_minute"] == 6, r.text
+    acme_key = new_key(gw, keys["acme-admin"], tokens_per_minute=10)
+    assert acme_key["tokens_per_minute"] == 10
+    time.sleep(0.8)  # both processes have read the limits
+
+    def call(url: str, key: str) -> httpx.Response:
+        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4}
+        return httpx.post(f"{url}/v1/chat/completions", json=body, headers=bearer(key), timeout=60)
+
+    # Three calls on each process, the two keys of beta sharing the tenant's quota.
+    for i, url in enumerate(urls):
+        for n in range(3):
+            r = call(url, keys["beta-user" if n % 2 else "beta-admin"])
+            assert r.status_code == 200, (i, n, r.text)
+        time.sleep(0.8)  # each process's counts reach the other
+    for url in urls:
+        r = call(url, keys["beta-user"])
+        assert r.status_code == 429, r.text
+        assert (
+            r.json()["error"]["type"] == "rate_limit_error" and "6 requests per minute" in r.json()["error"]["message"]
+        )
+        assert 1 <= int(r.headers["retry-after"]) <= 120
+        with pytest.raises(anthropic.RateLimitError) as refused:  # the Anthropic API's own shape
+            anthropic.Anthropic(base_url=url, api_key=keys["beta-user"], max_retries=0).messages.create(
+                model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+            )
+        assert refused.value.body["type"] == "error" and refused.value.body["error"]["type"] == "rate_limit_error"
+    # Another tenant is not limited by beta's quota; the key's token quota stops that key after its first call.
+    assert call(second_process, keys["acme-user"]).status_code == 200
+    assert call(gw.url, acme_key["key"]).status_code == 200
+    time.sleep(0.8)
+    for url in urls:
+        r = call(url, acme_key["key"])
+        assert r.status_code == 429 and "this key's quota of 10 tokens per minute" in r.json()["error"]["message"]
+    assert call(second_process, keys["acme-user"]).status_code == 200
+    metrics = httpx.get(f"{gw.url}/metrics").text
+    assert 'clawgate_calls_refused_total{reason="quota"}' in metrics
+
+    # The usage as an operator sees it; a tenant admin sees its own tenant's only, and cannot raise its quota.
+    listed = httpx.get(f"{gw.url}/v1/admin/quotas", headers=admin).json()["data"]
+    beta = next(q for q in listed if q["tenant"] == "beta" and q["key_id"] is None)
+    assert beta["requests_per_minute"] == 6 and beta["usage"]["requests"] >= 6
+    own = httpx.get(f"{gw.url}/v1/admin/quotas", headers=bearer(keys["acme-admin"])).json()["data"]
+    assert {q["tenant"] for q in own} == {"acme"}
+    raised = httpx.post(
+        f"{gw.url}/v1/admin/quotas", json={"tenant": "beta", "requests_per_minute": 1000},
+        headers=bearer(keys["beta-admin"]),
+    )  # fmt: skip
+    assert raised.status_code == 403
+    other = httpx.post(
+        f"{gw.url}/v1/admin/quotas", json={"key_id": acme_key["id"], "tokens_per_minute": None},
+        headers=bearer(keys["beta-admin"]),
+    )  # fmt: skip
+    assert other.status_code == 404
+    # Removed: both processes serve beta again within a sync interval.
+    r = httpx.post(f"{gw.url}/v1/admin/quotas", json={"tenant": "beta", "requests_per_minute": None}, headers=admin)
+    assert r.status_code == 200 and r.json()["requests_per_minute"] is None
+    time.sleep(0.8)
+    assert all(call(url, keys["beta-user"]).status_code == 200 for url in urls)
+
+
+def test_the_sliding_window_and_an_outage_of_the_database(tmp_path):
+    from gateway.errors import RateLimited
+    from gateway.store import db
+    from gateway.store.quotas import Limits, set_limits, usage
+    from gateway.tenants.principal import Principal
+    from gateway.tenants.quotas import QuotaBook, seconds_until_below, window_estimate
+
+    # The window's arithmetic: the previous minute slides out linearly.
+    assert window_estimate(60, 0, 30) == 30 and window_estimate(60, 10, 45) == 25
+    assert seconds_until_below(60, 0, 30, 15) == pytest.approx(15)  # 60 * (1 - t/60) <= 15 at t = 45
+    assert seconds_until_below(0, 10, 20, 4) == pytest.approx(40 + 36)  # in the next minute, 10 * (1 - t/60) <= 4
+
+    now = [6_000_000.0]  # a minute's start
+    sqlite = f"sqlite:///{tmp_path / 'q.db'}"
+    db.upgrade(sqlite)
+    # A database nothing answers on: every exchange fails, and the limits hold on this process's own counts.
+    down = db.connect("postgresql://nobody@127.0.0.1:9/none", connect_timeout_s=1)
+    book = QuotaBook(down, clock=lambda: now[0])
+    book.limits = {"tenant:t": Limits(requests_per_minute=3)}
+    user = Principal(tenant="t", role="user")
+    for _ in range(3):
+        assert book.admit(user) is not None
+    with pytest.raises(RateLimited) as refused:
+        book.admit(user)
+    assert refused.value.retry_after == 80  # this minute: 3; a third of them must slide out of the next one
+    assert book.admit(Principal(tenant="other", role="user")) is None  # no limit: nothing counted
+
+    import asyncio
+
+    from sqlalchemy.exc import SQLAlchemyError
+
+    with pytest.raises(SQLAlchemyError):
+        asyncio.run(book.sync())
+    with pytest.raises(RateLimited):  # the counts were kept
+        book.admit(user)
+    # The database is back (with the limit the test set in memory): what was counted during the outage is written.
+    book.db = db.connect(sqlite)
+    set_limits(book.db, tenant="t", requests_per_minute=3)
+    asyncio.run(book.sync())
+    minute = int(now[0] // 60)
+    assert usage(book.db, ["tenant:t"], [minute]) == {("tenant:t", minute): (3, 0)}
+    # Half of the next minute later, half of the previous minute's 3 requests are still in the window.
+    now[0] += 90
+    assert book.admit(user) is not None  # 1.5 + 0 + 1 <= 3
+    book.db.dispose()
+    down.dispose()
 
 
 # -- isolation over every route -------------------------------------------------------------------------------------
@@ -264,6 +386,8 @@ ROUTES: dict[tuple[str, str], str] = {
     ("POST", "/v1/admin/keys"): "tenant",
     ("GET", "/v1/admin/keys"): "tenant",
     ("POST", "/v1/admin/keys/{key_id}/revoke"): "tenant",
+    ("POST", "/v1/admin/quotas"): "tenant",
+    ("GET", "/v1/admin/quotas"): "tenant",
     ("GET", "/v1/policy"): "global",
     ("POST", "/v1/policy/pin"): "global",
     ("POST", "/v1/policy/unpin"): "global",

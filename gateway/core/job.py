@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.core.conversation import Message, ToolSpec, message_to_dict
 from gateway.core.parsers.base import ParsedOutput, ToolCallDelta
@@ -32,6 +32,12 @@ class RolloutRef:
     policy_version: int | None = None
     # The tenant whose key sent the request: its calls join only its own conversations and rollouts.
     tenant: str = "default"
+    # The quotas the call counts against (its tokens are charged when it ends); None: no quota applies.
+    usage: UsageMeter | None = None
+
+
+class UsageMeter(Protocol):
+    def charge(self, tokens: int) -> None: ...
 
 
 @dataclass(slots=True, frozen=True)

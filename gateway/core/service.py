@@ -443,6 +443,9 @@ class ChatService:
             self.writer.submit(rule, reserved=True)
         self.writer.submit(record, reserved=True)  # room reserved by _admit: never refused
         self.writer.release(slots - 1 - (rule is not None))
+        meter = prep.job.rollout.usage
+        if meter is not None:  # a quota's tokens: the prompt once per call, and every choice's completion
+            meter.charge(len(got.ids) + (len(prep.prompt_ids) if index == 0 else 0))
         m, api = self.metrics, prep.job.api
         total_s = time.perf_counter() - prep.t0
         m.calls.labels(api, outcome.status).inc()

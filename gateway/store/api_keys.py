@@ -59,6 +59,8 @@ class KeyInfo:
     created_at: dt.datetime
     expires_at: dt.datetime | None
     revoked_at: dt.datetime | None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -70,11 +72,23 @@ class KeyInfo:
             "created_at": self.created_at.isoformat(),
             "expires_at": self.expires_at.isoformat() if self.expires_at else None,
             "revoked_at": self.revoked_at.isoformat() if self.revoked_at else None,
+            "requests_per_minute": self.requests_per_minute,
+            "tokens_per_minute": self.tokens_per_minute,
         }
 
 
 def _info(row: ApiKey) -> KeyInfo:
-    return KeyInfo(row.id, row.tenant, row.role, row.name, row.created_at, row.expires_at, row.revoked_at)
+    return KeyInfo(
+        row.id,
+        row.tenant,
+        row.role,
+        row.name,
+        row.created_at,
+        row.expires_at,
+        row.revoked_at,
+        row.requests_per_minute,
+        row.tokens_per_minute,
+    )
 
 
 def create(
@@ -85,6 +99,8 @@ def create(
     name: str | None = None,
     expires_at: dt.datetime | None = None,
     secret: bytes | None = None,
+    requests_per_minute: int | None = None,
+    tokens_per_minute: int | None = None,
 ) -> tuple[KeyInfo, str]:
     """A new key for ``tenant`` (created on its first key) and the key itself, which is never stored."""
     try:
@@ -97,6 +113,9 @@ def create(
         raise InvalidInput("expires_at is in the past", param="expires_at")
     if name is not None and len(name) > 200:
         raise InvalidInput("name is longer than 200 characters", param="name")
+    for param, limit in (("requests_per_minute", requests_per_minute), ("tokens_per_minute", tokens_per_minute)):
+        if limit is not None and limit < 1:
+            raise InvalidInput(f"{param} must be a positive integer (or none, for no limit)", param=param)
     kid = secrets.token_hex(6)
     key = f"{PREFIX}{kid}-{secrets.token_urlsafe(32)}"
     with Session(db) as session, session.begin():
@@ -111,6 +130,8 @@ def create(
             name=name,
             created_at=utcnow(),
             expires_at=expires_at,
+            requests_per_minute=requests_per_minute,
+            tokens_per_minute=tokens_per_minute,
         )
         session.add(row)
         session.flush()

@@ -402,6 +402,9 @@ class Tenant(Base):
 
     name: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # Quotas over all of the tenant's keys (None: unlimited); ``gateway/tenants/quotas.py`` enforces them.
+    requests_per_minute: Mapped[int | None] = mapped_column(sa.Integer)
+    tokens_per_minute: Mapped[int | None] = mapped_column(sa.Integer)
 
 
 class ApiKey(Base):
@@ -417,3 +420,17 @@ class ApiKey(Base):
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     expires_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    requests_per_minute: Mapped[int | None] = mapped_column(sa.Integer)
+    tokens_per_minute: Mapped[int | None] = mapped_column(sa.Integer)
+
+
+class QuotaUsage(Base):
+    """Requests and tokens (prompt + completion) counted against a quota's subject (``tenant:NAME`` or
+    ``key:ID``) in one minute (minutes since the epoch, UTC); every gateway process adds its own counts."""
+
+    __tablename__ = "quota_usage"
+
+    subject: Mapped[str] = mapped_column(sa.String(80), primary_key=True)
+    minute: Mapped[int] = mapped_column(sa.BigInteger, primary_key=True)
+    requests: Mapped[int] = mapped_column(sa.BigInteger, default=0, server_default="0")
+    tokens: Mapped[int] = mapped_column(sa.BigInteger, default=0, server_default="0")
