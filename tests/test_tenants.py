@@ -359,7 +359,8 @@ def test_the_sliding_window_and_an_outage_of_the_database(tmp_path):
 #   tenant    - an admin route that lists or writes several records: a tenant admin sees and touches its own only
 #   global    - what all tenants share (the policy, the API schema): the global admin key only
 #   schema    - the API's schema and its pages: no tenant's records (the global admin key only in production)
-#   console   - the operator console: the global admin key only (a tenant's key does not sign in)
+#   console   - the operator console's pages of what all tenants share: the global admin's only
+#   console-tenant - the console's rollouts: a tenant admin signed in sees its own tenant's only
 #   public    - health, metrics and the console's sign-in form: no tenant's records
 ROUTES: dict[tuple[str, str], str] = {
     ("POST", "/v1/chat/completions"): "serving",
@@ -400,8 +401,8 @@ ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/dashboard"): "console",
     ("GET", "/dashboard/rewards"): "console",
     ("GET", "/dashboard/steps"): "console",
-    ("GET", "/dashboard/rollouts"): "console",
-    ("GET", "/dashboard/rollouts/{rollout_id}"): "console",
+    ("GET", "/dashboard/rollouts"): "console-tenant",
+    ("GET", "/dashboard/rollouts/{rollout_id}"): "console-tenant",
     ("GET", "/dashboard/versions"): "console",
     ("POST", "/dashboard/policy/{action}"): "console",
     ("GET", "/health"): "public",
@@ -519,7 +520,7 @@ def test_every_route_keeps_tenants_apart(gw, keys):
             assert r.status_code == 403 and r.json()["error"]["code"] == "admin_only", (path, r.text)
             if method == "GET":
                 assert httpx.get(gw.url + path, headers=bearer(ADMIN)).status_code == 200, path
-        elif kind == "console":
+        elif kind in ("console", "console-tenant"):  # without a session: to the sign-in form
             url = gw.url + fill(path, rollout_id=acme_rollout, action="pin")
             r = httpx.request(method, url, headers=beta_admin, follow_redirects=False)
             assert r.status_code == 303 and "/dashboard/login" in r.headers["location"], (path, r.status_code)
@@ -529,9 +530,29 @@ def test_every_route_keeps_tenants_apart(gw, keys):
             assert r.status_code < 500 and acme_rollout not in r.text and acme_call not in r.text, (path, r.text)
     assert checked["serving"] == 8 and checked["rollout"] == 4 and checked["global"] == 6
 
-    # The console does not take a tenant's admin key as its sign-in.
-    form = {"key": keys["beta-admin"], "next": "/dashboard"}
+    # The console: a tenant's user key does not sign in; its admin key does, and sees its tenant's rollouts only.
+    form = {"key": keys["beta-user"], "next": "/dashboard"}
     assert httpx.post(f"{gw.url}/dashboard/login", data=form, follow_redirects=False).status_code == 401
+    console = httpx.Client(base_url=gw.url, timeout=30)
+    signed_in = console.post("/dashboard/login", data={"key": keys["beta-admin"], "next": "/dashboard"})
+    assert signed_in.status_code == 303 and signed_in.headers["location"] == "/dashboard/rollouts"
+    beta_own = "beta-own-v1-chat-completions"
+    for (method, path), kind in ROUTES.items():
+        url = fill(path, rollout_id=acme_rollout, action="pin")
+        if kind == "console":
+            r = console.request(method, url)
+            assert r.status_code == 403 and acme_rollout not in r.text, (path, r.status_code)
+        elif kind == "console-tenant" and "{rollout_id}" in path:
+            theirs, none = console.get(url), console.get(fill(path, rollout_id=unknown))
+            assert theirs.status_code == 404 and same_answer(theirs, none, acme_rollout, unknown), path
+            assert console.get(fill(path, rollout_id=beta_own)).status_code == 200
+        elif kind == "console-tenant":
+            page = console.get(url)
+            assert page.status_code == 200 and beta_own in page.text, path
+            assert acme_rollout not in page.text and "acme-session-1" not in page.text
+    everything = httpx.Client(base_url=gw.url, timeout=30)
+    everything.post("/dashboard/login", data={"key": ADMIN, "next": "/dashboard"})
+    assert acme_rollout in everything.get("/dashboard/rollouts").text
 
     # The tenant routes, one by one.
     listed = httpx.get(f"{gw.url}/v1/rollouts", headers=beta_admin).json()["data"]
@@ -566,6 +587,11 @@ def test_every_route_keeps_tenants_apart(gw, keys):
     other = httpx.get(f"{gw.url}/v1/rollouts/acme-session-1", headers=bearer(created["api_key"]))
     assert other.status_code == 403
     assert httpx.post(f"{gw.url}/v1/admin/keys", json={}, headers=beta_user).status_code == 403
+    # Revoking the tenant admin's key ends its console session.
+    beta_admin_id = keys["beta-admin"].split("-")[1]
+    assert httpx.post(f"{gw.url}/v1/admin/keys/{beta_admin_id}/revoke", headers=bearer(ADMIN)).status_code == 200
+    ended = console.get("/dashboard/rollouts", follow_redirects=False)
+    assert ended.status_code == 303 and "/dashboard/login" in ended.headers["location"]
 
 
 def test_a_conversation_never_continues_across_tenants(gw, keys):

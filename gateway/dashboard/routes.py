@@ -22,6 +22,7 @@ from urllib.parse import parse_qs, urlencode
 import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.credentials.redact import decode_redacted, redact_pieces
 from gateway.credentials.tokens import tokenizer_decode
@@ -31,11 +32,13 @@ from gateway.policy import apply_change
 from gateway.promotion.promoter import rule_of
 from gateway.promotion.status import status as promotion_status
 from gateway.state import AppState, State
-from gateway.store import console, policy_control, promotion, rollout_lifecycle
+from gateway.store import api_keys, console, policy_control, promotion, rollout_lifecycle
 from gateway.store.errors import RecordNotFound
 from gateway.store.readiness import training_counts
 from gateway.store.secret_spans import shifted
 from gateway.store.training_data import load_rollout
+from gateway.tenants.cache import KeysUnavailable
+from gateway.tenants.principal import GLOBAL_ADMIN, Principal
 
 router = APIRouter(include_in_schema=False)
 PAGE_SIZE = 50
@@ -83,9 +86,12 @@ def _num(value: Any, digits: int = 3) -> str:
     return f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:,.0f}"
 
 
-def render(state: AppState, name: str, **context: Any) -> HTMLResponse:
+def render(state: AppState, name: str, *, tenant: str | None = None, **context: Any) -> HTMLResponse:
+    """A page; ``tenant``: a tenant admin's view (its navigation holds its rollouts only)."""
     body = (
-        templates().get_template(name).render(served_model=state.settings.model_name, policy=_policy(state), **context)
+        templates()
+        .get_template(name)
+        .render(served_model=state.settings.model_name, policy=_policy(state), tenant=tenant, **context)
     )
     return HTMLResponse(body, headers={"Cache-Control": "no-store"})
 
@@ -99,11 +105,29 @@ def _admin_key(state: AppState) -> str | None:
     return key.get_secret_value() if key is not None else None
 
 
-def logged_in(request: Request, state: AppState) -> bool:
+async def viewer(request: Request, state: AppState) -> Principal | None:
+    """Who is signed in: the global admin, a tenant's admin (while its key stays valid), or None."""
     key = _admin_key(state)
     if key is None:  # no admin key: only development gets here (production refuses to start without one)
-        return state.settings.environment == "development"
-    return auth.valid(key, request.cookies.get(auth.COOKIE))
+        return GLOBAL_ADMIN if state.settings.environment == "development" else None
+    who = auth.session(key, request.cookies.get(auth.COOKIE))
+    if not who:
+        return GLOBAL_ADMIN if who == "" else None
+    try:
+        info = await asyncio.to_thread(api_keys.valid_by_id, state.db, who)
+    except SQLAlchemyError:
+        return None
+    if info is None or info.role != "admin":
+        return None
+    return Principal(tenant=info.tenant, role="admin", key_id=info.id)
+
+
+def _global_only(request: Request, state: AppState) -> Response:
+    """A tenant admin on a page of what all tenants share: its rollouts are what it may see."""
+    who = "a tenant's admin key: it sees its tenant's rollouts"
+    page = render(state, "missing.html", tenant="-", title="Not for a tenant", what=f"such page for {who}")
+    page.status_code = 403
+    return page
 
 
 def _to_login(request: Request) -> RedirectResponse:
@@ -130,14 +154,30 @@ async def login(request: Request, state: State) -> Response:
     key = _admin_key(state)
     if key is None:
         return RedirectResponse(target, status_code=303)
-    if not hmac.compare_digest(typed.encode(), key.encode()):
-        page = render(state, "login.html", next=target, error="That is not the admin key.", title="Sign in")
+    tenant_key = None
+    if typed.startswith(api_keys.PREFIX) and state.keys is not None:
+        try:
+            tenant_key = await state.keys.check(typed)
+        except KeysUnavailable:
+            tenant_key = None
+        if tenant_key is not None and tenant_key.role != "admin":
+            tenant_key = None
+        if tenant_key is not None and target == "/dashboard":
+            target = "/dashboard/rollouts"  # the pages a tenant's admin sees: its rollouts
+    if tenant_key is None and not hmac.compare_digest(typed.encode(), key.encode()):
+        page = render(
+            state,
+            "login.html",
+            next=target,
+            error="That is not the admin key or a tenant's admin key.",
+            title="Sign in",
+        )
         page.status_code = 401
         return page
     response = RedirectResponse(target, status_code=303)
     response.set_cookie(
         auth.COOKIE,
-        auth.issue(key),
+        auth.issue(key, key_id=tenant_key.id if tenant_key is not None else None),
         max_age=auth.LIFETIME_S,
         httponly=True,
         samesite="strict",
@@ -156,8 +196,11 @@ async def logout(request: Request) -> Response:
 
 @router.get("/dashboard")
 async def overview(request: Request, state: State) -> Response:
-    if not logged_in(request, state):
+    who = await viewer(request, state)
+    if who is None:
         return _to_login(request)
+    if not who.is_global:
+        return _global_only(request, state)
     traffic, backlog, counts, versions = await asyncio.gather(
         asyncio.to_thread(console.traffic, state.db),
         asyncio.to_thread(console.backlog, state.db),
@@ -184,8 +227,11 @@ async def overview(request: Request, state: State) -> Response:
 
 @router.get("/dashboard/rewards")
 async def rewards(request: Request, state: State) -> Response:
-    if not logged_in(request, state):
+    who = await viewer(request, state)
+    if who is None:
         return _to_login(request)
+    if not who.is_global:
+        return _global_only(request, state)
     versions, groups = await asyncio.gather(
         asyncio.to_thread(console.versions, state.db), asyncio.to_thread(console.reward_by_task_and_harness, state.db)
     )
@@ -204,8 +250,11 @@ async def rewards(request: Request, state: State) -> Response:
 
 @router.get("/dashboard/steps")
 async def steps(request: Request, state: State) -> Response:
-    if not logged_in(request, state):
+    who = await viewer(request, state)
+    if who is None:
         return _to_login(request)
+    if not who.is_global:
+        return _global_only(request, state)
     rows = await asyncio.to_thread(console.train_steps, state.db)
     ok = [s for s in rows if s.status == "ok"]
     figures = []
@@ -243,10 +292,11 @@ async def rollout_list(
     policy_version: str | None = None,
     page: int = 1,
 ) -> Response:
-    if not logged_in(request, state):
+    who = await viewer(request, state)
+    if who is None:
         return _to_login(request)
     version = int(policy_version) if policy_version and policy_version.strip().isdigit() else None
-    where = console.RolloutFilter(task_id or None, harness or None, status or None, version)
+    where = console.RolloutFilter(task_id or None, harness or None, status or None, version, who.tenant)
     page = max(page, 1)
     rows, total = await asyncio.to_thread(
         console.rollouts_page, state.db, where, offset=(page - 1) * PAGE_SIZE, limit=PAGE_SIZE
@@ -258,6 +308,7 @@ async def rollout_list(
     return render(
         state,
         "rollouts.html",
+        tenant=who.tenant,
         title="Rollouts",
         rows=rows,
         total=total,
@@ -270,15 +321,18 @@ async def rollout_list(
 
 @router.get("/dashboard/rollouts/{rollout_id}")
 async def rollout_detail(request: Request, state: State, rollout_id: str) -> Response:
-    if not logged_in(request, state):
+    who = await viewer(request, state)
+    if who is None:
         return _to_login(request)
     try:
         view = await asyncio.to_thread(_rollout_view, state, rollout_id)
+        if not who.sees(view["rollout"]["tenant"]):  # another tenant's reads as one that does not exist
+            raise RecordNotFound(rollout_id)
     except RecordNotFound:
-        page = render(state, "missing.html", title="Not found", what=f"rollout {rollout_id}")
+        page = render(state, "missing.html", tenant=who.tenant, title="Not found", what=f"rollout {rollout_id}")
         page.status_code = 404
         return page
-    return render(state, "rollout.html", title=f"Rollout {rollout_id}", **view)
+    return render(state, "rollout.html", tenant=who.tenant, title=f"Rollout {rollout_id}", **view)
 
 
 def _rollout_view(state: AppState, rollout_id: str) -> dict[str, Any]:
@@ -328,8 +382,11 @@ def _rollout_view(state: AppState, rollout_id: str) -> dict[str, Any]:
 
 @router.get("/dashboard/versions")
 async def versions_page(request: Request, state: State, error: str | None = None) -> Response:
-    if not logged_in(request, state):
+    who = await viewer(request, state)
+    if who is None:
         return _to_login(request)
+    if not who.is_global:
+        return _global_only(request, state)
     versions, control, promo = await asyncio.gather(
         asyncio.to_thread(console.versions, state.db),
         asyncio.to_thread(policy_control.read, state.db),
@@ -365,8 +422,11 @@ def _decision_view(decision: dict[str, Any]) -> dict[str, Any]:
 async def policy_action(request: Request, state: State, action: str) -> Response:
     """The versions page's buttons: pin, unpin, roll back, promote or reject a candidate (the same changes as
     ``/v1/policy/...``)."""
-    if not logged_in(request, state):
+    who = await viewer(request, state)
+    if who is None:
         return _to_login(request)
+    if not who.is_global:
+        return _global_only(request, state)
     form = parse_qs((await request.body()).decode("utf-8", "replace"))
     raw = (form.get("version") or [""])[0]
     changes: dict[str, Any] = {"pin": policy_control.pin, "rollback": policy_control.request_rollback}

@@ -180,6 +180,18 @@ def lookup(db: sa.Engine, key: str, secret: bytes | None, now: dt.datetime | Non
     return info
 
 
+def valid_by_id(db: sa.Engine, kid: str, now: dt.datetime | None = None) -> KeyInfo | None:
+    """The key with this public id if it is unrevoked and unexpired (a console session's check), else None."""
+    with Session(db) as session:
+        row = session.get(ApiKey, kid)
+        info = _info(row) if row is not None else None
+    if info is None or info.revoked_at is not None:
+        return None
+    if info.expires_at is not None and info.expires_at <= (now or utcnow()):
+        return None
+    return info
+
+
 def tenants(db: sa.Engine) -> list[str]:
     with Session(db) as session:
         return list(session.scalars(sa.select(Tenant.name).order_by(Tenant.name)))

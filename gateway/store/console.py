@@ -212,6 +212,7 @@ class RolloutFilter:
     harness: str | None = None
     status: str | None = None
     policy_version: int | None = None
+    tenant: str | None = None  # a tenant admin's console: its own tenant's only
 
 
 @dataclass(slots=True)
@@ -248,6 +249,8 @@ def rollouts_page(
         conditions.append(Rollout.harness == where.harness)
     if where.status:
         conditions.append(Rollout.status == where.status)
+    if where.tenant is not None:
+        conditions.append(Rollout.tenant == where.tenant)
     if where.policy_version is not None:
         conditions.append(Rollout.id.in_(sa.select(Call.rollout_id).where(Call.policy_version == where.policy_version)))
     with Session(db) as session:
