@@ -658,6 +658,10 @@ def test_forget_prune_and_export_by_tenant(gw, keys, postgres_url, capsys, tmp_p
     assert count(engine, "rollouts", "tenant = 'acme'") == 0 and count(engine, "calls") == 2
     assert main(["forget", "--tenant", "acme", "--json", *url]) == 0  # idempotent
     assert json.loads(capsys.readouterr().out)["not_found"] == ["acme"]
+    # The admin route forgets a tenant too.
+    r = httpx.post(f"{gw.url}/v1/admin/forget", json={"tenants": ["beta"]}, headers=bearer(ADMIN))
+    assert r.status_code == 200 and r.json()["deleted"]["rollouts"] == 1, r.text
+    assert count(engine, "rollouts", "tenant = 'beta'") == 0 and count(engine, "rollouts") == 1
     assert orphans(engine) == {}
     # The export file no longer holds them (it held nothing else, so it is gone).
     assert not out.exists() or out.read_text().strip() == ""
