@@ -20,7 +20,6 @@ from tests.runner_support import make_tasks
 ADMIN = "harness-runs-admin"
 
 
-
 def tool_call(name: str, arguments: dict[str, Any]) -> str:
     """A model answer that calls one tool, in the tiny model's (Qwen's) tool-call format."""
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"

@@ -89,7 +89,6 @@ def scripted(gateway_factory, tiny_tokenizer):
     return engine, gw
 
 
-
 def rollout(gw, rollout_id: str) -> dict:
     headers = {"Authorization": f"Bearer {ADMIN}"}
     return httpx.get(f"{gw.url}/v1/rollouts/{rollout_id}", headers=headers, params={"tokens": "false"}).json()

@@ -29,7 +29,6 @@ HELLO = {
 }
 
 
-
 def run(gw, tasks, harnesses, sandboxes, n: int):
     config = RunConfig(gw.url, ADMIN, n=n, concurrency=1, max_turns=2)
     return asyncio.run(Runner(config, tasks, harnesses, sandboxes).run())

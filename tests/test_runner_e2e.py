@@ -46,7 +46,6 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> I
     yield from module_gateway(tmp_path_factory.mktemp("gw-runner"), tiny_model_dir, admin_key=ADMIN, max_tokens=24)
 
 
-
 def admin_get(gw: LiveGateway, path: str, **params: Any) -> Any:
     resp = httpx.get(gw.url + path, params=params, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
     resp.raise_for_status()

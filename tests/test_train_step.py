@@ -14,12 +14,12 @@ from gateway.store.db import connect
 ADMIN = {"Authorization": "Bearer adm"}
 
 
-def rollout(gw, task: str, reward: float | None, finish: bool = True) -> str:
+def rollout(gw, task: str, reward: float | None, finish: bool = True, turns: int = 2, max_tokens: int = 6) -> str:
     ro = httpx.post(gw.url + "/v1/rollouts", json={"task_id": task, "harness": "sdk"}, headers=ADMIN).json()
     client = openai.OpenAI(base_url=ro["base_url"], api_key=ro["api_key"], max_retries=0)
     messages = [{"role": "user", "content": f"Task {task}: begin."}]
-    for turn in range(2):
-        out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=1.0)
+    for turn in range(turns):
+        out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens, temperature=1.0)
         messages += [
             {"role": "assistant", "content": out.choices[0].message.content or ""},
             {"role": "user", "content": f"turn {turn}"},

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 import sqlalchemy as sa
 
@@ -186,23 +185,6 @@ def test_daemon_waits_for_its_trigger_then_trains(gateway_factory, tiny_model_di
     assert "train/tokens_per_second" in events.Tags()["scalars"]
 
 
-def long_rollout(gw, task: str, reward: float) -> str:
-    """A finished, rewarded rollout of four turns of up to 64 tokens (a step on three of them takes long enough to
-    be killed inside)."""
-    ro = httpx.post(gw.url + "/v1/rollouts", json={"task_id": task, "harness": "sdk"}, headers=ADMIN).json()
-    client = openai.OpenAI(base_url=ro["base_url"], api_key=ro["api_key"], max_retries=0)
-    messages = [{"role": "user", "content": f"Task {task}: begin."}]
-    for turn in range(4):
-        out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=64, temperature=1.0)
-        messages += [
-            {"role": "assistant", "content": out.choices[0].message.content or ""},
-            {"role": "user", "content": f"turn {turn}"},
-        ]
-    httpx.post(f"{gw.url}/v1/rollouts/{ro['id']}/reward", json={"value": reward}, headers=ADMIN)
-    httpx.post(f"{gw.url}/v1/rollouts/{ro['id']}/finish", json={"status": "completed"}, headers=ADMIN)
-    return str(ro["id"])
-
-
 def test_sigkill_mid_step_loses_nothing_and_trains_nothing_twice(gateway_factory, tiny_model_dir, tmp_path):
     gw = gateway_factory(admin_key="adm", policy_follow=False)
     url, adapters = gw.settings.database_url, tmp_path / "adapters"
@@ -211,7 +193,7 @@ def test_sigkill_mid_step_loses_nothing_and_trains_nothing_twice(gateway_factory
     # Later and later inside the step (packing, backward, saving, committing: on three rollouts of ~300 tokens a step
     # takes 0.15-0.2 s on an idle 2-core machine, more on a loaded one); each kill says where it landed.
     for round_, delay in enumerate([0.0, 0.04, 0.08, 0.12]):
-        made += [long_rollout(gw, f"T{round_}", reward) for reward in (1.0, 0.0, 0.5)]
+        made += [rollout(gw, f"T{round_}", reward, turns=4, max_tokens=64) for reward in (1.0, 0.0, 0.5)]
         daemon = Daemon(train_cmd(tiny_model_dir, url, adapters, "--min-rollouts", "3"))
         try:
             landed.append(daemon.kill_in_step(url, delay))
