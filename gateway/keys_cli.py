@@ -141,8 +141,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
             print(
                 f"{'tenant ' + args.tenant if args.tenant else 'key ' + args.key}: "
                 f"{now_rpm if now_rpm is not None else 'no limit of'} requests and "
-                f"{now_tpm if now_tpm is not None else 'no limit of'} tokens per minute (every gateway within "
-                "CLAWGATE_QUOTA_SYNC_INTERVAL)"
+                f"{now_tpm if now_tpm is not None else 'no limit of'} tokens per minute (every gateway applies "
+                "it within a second)"
             )
         else:
             info = keys.revoke(database, args.id)

@@ -118,7 +118,7 @@ async def set_quota(body: SetQuota, request: Request, state: State) -> dict[str,
         target = {"key_id": body.key_id}
     limits = await asyncio.to_thread(quota_store.set_limits, state.db, **target, **given)
     if state.quotas is not None:
-        await state.quotas.sync()  # this process applies it at once; the others within CLAWGATE_QUOTA_SYNC_INTERVAL
+        await state.quotas.sync()  # this process applies it at once; the others within a second
     return {"object": "quota", **target, **asdict(limits)}
 
 

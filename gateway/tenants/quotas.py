@@ -39,6 +39,7 @@ from gateway.tenants.principal import Principal
 log = logging.getLogger("clawgate")
 
 WINDOW_S = 60.0
+LIMITS_EVERY_S = 1.0  # how often each process reads the limits again (a change reaches every process within it)
 
 
 def minute_of(now: float) -> int:
@@ -92,6 +93,7 @@ class QuotaBook:
     refused: int = 0
     fault: Fault = field(default_factory=lambda: Fault(log, "quota counters"))
     _pruned_minute: int = -1
+    _limits_at: float = -1e9
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def subjects_of(self, principal: Principal) -> tuple[str, ...]:
@@ -150,25 +152,29 @@ class QuotaBook:
     # -- the loop that shares the counts ----------------------------------------------------------------------------
 
     def _exchange(
-        self, taken: dict[tuple[str, int], _Counts]
+        self, taken: dict[tuple[str, int], _Counts], limits: dict[str, Limits] | None
     ) -> tuple[dict[str, Limits], dict[tuple[str, int], tuple[int, int]]]:
-        """Write ``taken``, read the limits and every process's totals (in a thread)."""
+        """Write ``taken``, read the limits (unless given) and every process's totals of the limited subjects (in a
+        thread)."""
         store.add_usage(self.db, {k: (c.requests, c.tokens) for k, c in taken.items() if c.requests or c.tokens})
-        limits = store.all_limits(self.db)
+        if limits is None:
+            limits = store.all_limits(self.db)
         minute = minute_of(self.clock())
-        fresh = store.usage(self.db, set(limits), (minute - 1, minute))
+        fresh = store.usage(self.db, set(limits), (minute - 1, minute)) if limits else {}
         if minute - 2 > self._pruned_minute:
             store.prune_usage(self.db, minute - 2)
             self._pruned_minute = minute - 2
         return limits, fresh
 
-    async def sync(self) -> None:
-        """One exchange with the database. What this process added is swapped out here, on the event loop, and
-        counted as in flight until the totals that include it are read (or put back, if the write failed)."""
+    async def sync(self, *, limits_too: bool = True) -> None:
+        """One exchange with the database (``limits_too``: the limits are read again as well). What this process
+        added is swapped out here, on the event loop, and counted as in flight until the totals that include it are
+        read (or put back, if the write failed)."""
         async with self._lock:
             self.inflight, self.pending = self.pending, {}
+            known = None if limits_too else self.limits
             try:
-                limits, fresh = await asyncio.to_thread(self._exchange, self.inflight)
+                limits, fresh = await asyncio.to_thread(self._exchange, self.inflight, known)
             except BaseException:
                 for key, counts in self.inflight.items():  # kept for the next try: nothing is lost from the totals
                     mine = self.pending.setdefault(key, _Counts())
@@ -177,11 +183,14 @@ class QuotaBook:
                 self.inflight = {}
                 raise
             self.limits, self.read, self.inflight = limits, {k: _Counts(*c) for k, c in fresh.items()}, {}
+            if limits_too:
+                self._limits_at = time.monotonic()
 
     async def run(self) -> None:
         while True:
             try:
-                await self.sync()
+                # The limits change rarely: read once a second (a process setting one applies it at once).
+                await self.sync(limits_too=time.monotonic() - self._limits_at >= LIMITS_EVERY_S)
                 self.fault.cleared()
             except SQLAlchemyError as exc:
                 self.fault.failed(describe(exc), exc)
