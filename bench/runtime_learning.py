@@ -220,6 +220,7 @@ def run(
     lr: float,
     reward: str = "judge",
     min_turns: int = 48,
+    max_turns: int | None = None,
     min_versions: int = 6,
     gain: float = 0.3,
     timeout: float = 420.0,
@@ -244,6 +245,10 @@ def run(
         "CLAWGATE_POLICY_POLL_INTERVAL": "0.2",
         "CLAWGATE_TRAIN_LR": str(lr),
         "CLAWGATE_TRAIN_MIN_TURNS": str(min_turns),
+        # A step takes at most this many turns (default: min_turns): the user sends turns faster than the trainer
+        # takes them, and a step on 256 turns (the trainer's default) takes five times as long for about the same
+        # move of the weights, so fewer turns a step means more versions a minute.
+        "CLAWGATE_TRAIN_MAX_TURNS": str(max_turns or min_turns),
         "CLAWGATE_TRAIN_MAX_ROLLOUTS": str(2 * min_turns),
         "CLAWGATE_TRAIN_INTERVAL": "0.5",
         "CLAWGATE_TRAIN_GROUP_WAIT": "60",
@@ -282,7 +287,8 @@ def run(
                     print(f"  [{name} {time.perf_counter() - t0:5.0f}s] {curve(by_version)}", flush=True)
                 if len([v for v in by_version if v > 0]) >= min_versions:
                     late = Result(by_version, 0, 0, [], "").late()
-                    state["done"] = lr == 0 or late > mean(by_version.get(0, [])) + gain
+                    # With a margin: the last turns judged after the stop may pull the newest score down a little.
+                    state["done"] = lr == 0 or late > mean(by_version.get(0, [])) + gain + 0.05
                 return bool(state["done"])
 
         user.run(done, timeout, workers)
@@ -304,6 +310,7 @@ def main() -> int:
     ap.add_argument("--reward", choices=["judge", "feedback"], default="judge")
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--min-turns", type=int, default=48)
+    ap.add_argument("--max-turns", type=int, default=None, help="turns a step takes at most (default: --min-turns)")
     ap.add_argument("--timeout", type=float, default=420)
     ap.add_argument("--workers", type=int, default=4, help="the user's parallel conversations")
     ap.add_argument("--no-control", action="store_true", help="skip the learning-rate-0 control")
@@ -329,6 +336,7 @@ def main() -> int:
                 lr=lr,
                 reward=args.reward,
                 min_turns=args.min_turns,
+                max_turns=args.max_turns,
                 timeout=args.timeout,
                 workers=args.workers,
             )

@@ -37,10 +37,10 @@ def check(result: runtime_learning.Result, versions: int = 6) -> None:
     assert len(served) >= versions, f"the trainer published and the gateway served new versions: {served}"
 
 
-# Measured (lr 1e-2, 4 parallel conversations, 48+ turns per step): judge seed 0 0.022 -> 0.77 at v10 (124 s),
-# seed 1 0.020 -> 0.36 at v6 (74 s); feedback seed 1 0.027 -> 0.43 at v12 (98 s); lr 0: 0.027 -> 0.022 over 6.
-# The time limits are the budget of a run that never gets there; with both cores taken by other work the runs
-# above took up to 336 s (judge) and 174 s (lr 0), so the limits leave room for a CI machine shared with others.
+# Measured (lr 1e-2, 4 parallel conversations, steps of 48 turns), the judged and the fed-back run side by side on
+# a 2-core machine: judge seed 0 0.025 -> 0.42 at v22 (180 s), feedback seed 0 0.021 -> 0.41 at v10 (126 s). With the
+# trainer's default of up to 256 turns a step, a version took about 55 s instead of 8 and the runs over 330 s.
+# The time limits are the budget of a run that never gets there, on a CI machine shared with other tests.
 LEARN_TIMEOUT = 900
 CONTROL_TIMEOUT = 600
 
