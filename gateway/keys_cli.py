@@ -15,9 +15,14 @@ import argparse
 import datetime as dt
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.retention_cli import parse_duration
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import sqlalchemy as sa
 
 
 def _expiry(text: str) -> dt.datetime:
@@ -35,7 +40,7 @@ def _expiry(text: str) -> dt.datetime:
     return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
 
 
-def _limit(text: str) -> int | str:
+def _limit_value(text: str) -> int | str:
     if text == "off":
         return text
     try:
@@ -74,10 +79,12 @@ def register(sub: Any) -> None:
     whose = limit.add_mutually_exclusive_group(required=True)
     whose.add_argument("--tenant", metavar="NAME", help="the tenant's quota (`default`: the environment's keys)")
     whose.add_argument("--key", metavar="ID", help="one key's quota")
-    limit.add_argument("--rpm", type=_limit, metavar="N|off", help="requests per minute (off: no limit)")
-    limit.add_argument("--tpm", type=_limit, metavar="N|off", help="prompt + completion tokens per minute (off: none)")
-    create.add_argument("--rpm", type=_limit, metavar="N", help="the key's requests per minute")
-    create.add_argument("--tpm", type=_limit, metavar="N", help="the key's tokens per minute")
+    limit.add_argument("--rpm", type=_limit_value, metavar="N|off", help="requests per minute (off: no limit)")
+    limit.add_argument(
+        "--tpm", type=_limit_value, metavar="N|off", help="prompt + completion tokens per minute (off: none)"
+    )
+    create.add_argument("--rpm", type=_limit_value, metavar="N", help="the key's requests per minute")
+    create.add_argument("--tpm", type=_limit_value, metavar="N", help="the key's tokens per minute")
     for p in (create, listing, revoke, limit):
         p.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
         p.set_defaults(func=cmd_keys)
@@ -85,77 +92,98 @@ def register(sub: Any) -> None:
 
 def cmd_keys(args: argparse.Namespace) -> int:
     from gateway.settings import Settings
-    from gateway.store import api_keys as keys
-    from gateway.store import db, quotas
+    from gateway.store import db
     from gateway.store.errors import InvalidInput, RecordNotFound
 
     settings = Settings()
     database = db.connect(args.database_url or settings.database_url)
+    actions: dict[str, Callable[[argparse.Namespace, sa.Engine, bytes | None], None]] = {
+        "create": _create,
+        "list": _list,
+        "limit": _limit,
+        "revoke": _revoke,
+    }
     try:
-        if args.keys_action == "create":
-            info, key = keys.create(
-                database,
-                args.tenant,
-                role=args.role,
-                name=args.name,
-                expires_at=args.expires,
-                secret=settings.key_secret_bytes,
-                requests_per_minute=args.rpm if args.rpm != "off" else None,
-                tokens_per_minute=args.tpm if args.tpm != "off" else None,
-            )
-            if args.json:
-                print(json.dumps({**info.as_dict(), "key": key}, indent=2))
-            else:
-                print(key)
-                print(
-                    f"key {info.id}: tenant {info.tenant}, role {info.role}"
-                    + (f", expires {info.expires_at.isoformat()}" if info.expires_at else "")
-                    + ". It is shown this once; only its hash is stored.",
-                    file=sys.stderr,
-                )
-        elif args.keys_action == "list":
-            found = keys.list_keys(database, args.tenant, revoked=args.revoked)
-            if args.json:
-                print(json.dumps([k.as_dict() for k in found], indent=2))
-            else:
-                head = ("id", "tenant", "role", "created", "expires", "revoked", "rpm", "tpm")
-                print(
-                    f"{head[0]:<12}  {head[1]:<20}  {head[2]:<5}  {head[3]:<19}  {head[4]:<19}  {head[5]:<19}  "
-                    f"{head[6]:>6}  {head[7]:>9}  name"
-                )
-                for k in found:
-                    rpm, tpm = k.requests_per_minute or "-", k.tokens_per_minute or "-"
-                    print(
-                        f"{k.id:<12}  {k.tenant:<20}  {k.role:<5}  {_when(k.created_at)}  {_when(k.expires_at)}  "
-                        f"{_when(k.revoked_at)}  {rpm:>6}  {tpm:>9}  {k.name or ''}"
-                    )
-        elif args.keys_action == "limit":
-            given = {
-                name: (None if value == "off" else value)
-                for name, value in (("requests_per_minute", args.rpm), ("tokens_per_minute", args.tpm))
-                if value is not None
-            }
-            target = {"tenant": args.tenant} if args.tenant else {"key_id": args.key}
-            limits = quotas.set_limits(database, **target, **given)
-            now_rpm, now_tpm = limits.requests_per_minute, limits.tokens_per_minute
-            print(
-                f"{'tenant ' + args.tenant if args.tenant else 'key ' + args.key}: "
-                f"{now_rpm if now_rpm is not None else 'no limit of'} requests and "
-                f"{now_tpm if now_tpm is not None else 'no limit of'} tokens per minute (every gateway applies "
-                "it within a second)"
-            )
-        else:
-            info = keys.revoke(database, args.id)
-            if args.json:
-                print(json.dumps(info.as_dict(), indent=2))
-            else:
-                print(f"revoked key {info.id} of tenant {info.tenant} (at {_when(info.revoked_at).strip()})")
+        actions[args.keys_action](args, database, settings.key_secret_bytes)
     except (InvalidInput, RecordNotFound) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
         database.dispose()
     return 0
+
+
+def _create(args: argparse.Namespace, database: sa.Engine, secret: bytes | None) -> None:
+    from gateway.store import api_keys
+
+    info, key = api_keys.create(
+        database,
+        args.tenant,
+        role=args.role,
+        name=args.name,
+        expires_at=args.expires,
+        secret=secret,
+        requests_per_minute=args.rpm if args.rpm != "off" else None,
+        tokens_per_minute=args.tpm if args.tpm != "off" else None,
+    )
+    if args.json:
+        print(json.dumps({**info.as_dict(), "key": key}, indent=2))
+        return
+    print(key)
+    expires = f", expires {info.expires_at.isoformat()}" if info.expires_at else ""
+    print(
+        f"key {info.id}: tenant {info.tenant}, role {info.role}{expires}. It is shown this once; only its hash is "
+        "stored.",
+        file=sys.stderr,
+    )
+
+
+def _list(args: argparse.Namespace, database: sa.Engine, secret: bytes | None) -> None:
+    from gateway.store import api_keys
+
+    found = api_keys.list_keys(database, args.tenant, revoked=args.revoked)
+    if args.json:
+        print(json.dumps([k.as_dict() for k in found], indent=2))
+        return
+    head = ("id", "tenant", "role", "created", "expires", "revoked", "rpm", "tpm")
+    print(
+        f"{head[0]:<12}  {head[1]:<20}  {head[2]:<5}  {head[3]:<19}  {head[4]:<19}  {head[5]:<19}  "
+        f"{head[6]:>6}  {head[7]:>9}  name"
+    )
+    for k in found:
+        rpm, tpm = k.requests_per_minute or "-", k.tokens_per_minute or "-"
+        print(
+            f"{k.id:<12}  {k.tenant:<20}  {k.role:<5}  {_when(k.created_at)}  {_when(k.expires_at)}  "
+            f"{_when(k.revoked_at)}  {rpm:>6}  {tpm:>9}  {k.name or ''}"
+        )
+
+
+def _limit(args: argparse.Namespace, database: sa.Engine, secret: bytes | None) -> None:
+    from gateway.store import quotas
+
+    given = {
+        name: (None if value == "off" else value)
+        for name, value in (("requests_per_minute", args.rpm), ("tokens_per_minute", args.tpm))
+        if value is not None
+    }
+    target = {"tenant": args.tenant} if args.tenant else {"key_id": args.key}
+    limits = quotas.set_limits(database, **target, **given)
+    rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+    print(
+        f"{'tenant ' + args.tenant if args.tenant else 'key ' + args.key}: "
+        f"{rpm if rpm is not None else 'no limit of'} requests and "
+        f"{tpm if tpm is not None else 'no limit of'} tokens per minute (every gateway applies it within a second)"
+    )
+
+
+def _revoke(args: argparse.Namespace, database: sa.Engine, secret: bytes | None) -> None:
+    from gateway.store import api_keys
+
+    info = api_keys.revoke(database, args.id)
+    if args.json:
+        print(json.dumps(info.as_dict(), indent=2))
+    else:
+        print(f"revoked key {info.id} of tenant {info.tenant} (at {_when(info.revoked_at).strip()})")
 
 
 def _when(value: dt.datetime | None) -> str:

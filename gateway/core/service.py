@@ -273,15 +273,9 @@ class ChatService:
         if job.prompt_ids is not None:
             return PromptPlan(list(job.prompt_ids), "raw", None, []), [], False
         shared = self.continuity
+        lookups = (shared.stored_parent, shared.known_outputs)
         plan = plan_prompt(
-            self.renderer,
-            self.index,
-            scope,
-            job.messages,
-            job.tools,
-            shared.stored_parent,
-            shared.known_outputs,
-            tenant=job.rollout.tenant,
+            self.renderer, self.index, scope, job.messages, job.tools, *lookups, tenant=job.rollout.tenant
         )
         raw = job.raw_messages
         exact = [exact_hash(m) for m in raw] if isinstance(raw, list) else []
@@ -443,8 +437,7 @@ class ChatService:
             self.writer.submit(rule, reserved=True)
         self.writer.submit(record, reserved=True)  # room reserved by _admit: never refused
         self.writer.release(slots - 1 - (rule is not None))
-        meter = prep.job.rollout.usage
-        if meter is not None:  # a quota's tokens: the prompt once per call, and every choice's completion
+        if (meter := prep.job.rollout.usage) is not None:  # a quota's tokens: the prompt once, every completion
             meter.charge(len(got.ids) + (len(prep.prompt_ids) if index == 0 else 0))
         m, api = self.metrics, prep.job.api
         total_s = time.perf_counter() - prep.t0

@@ -30,6 +30,30 @@ def named_ids(rollouts: Sequence[str], sessions: Sequence[str], calls: Sequence[
     return frozenset([*rollouts, *calls, *(r for s in sessions for r in session_rollout_ids(s))])
 
 
+def _find(
+    db: sa.Engine, rollouts: list[str], calls: Sequence[str], tenants: Sequence[str], within: str | None
+) -> tuple[set[str], set[str], dict[str, list[str]]]:
+    """Which of the named rollouts and calls exist, and each named tenant's rollouts; ``within``: of that tenant
+    only."""
+    rollout_table, call_table = Rollout.__table__, Call.__table__
+    scoped = (rollout_table.c.tenant == within) if within is not None else sa.true()
+    existing: set[str] = set()
+    found_calls: set[str] = set()
+    of_tenants: dict[str, list[str]] = {}
+    with db.connect() as connection:
+        for chunk in _chunks(rollouts):
+            query = sa.select(rollout_table.c.id).where(rollout_table.c.id.in_(chunk), scoped)
+            existing.update(connection.scalars(query))
+        for chunk in _chunks(list(calls)):
+            joined = call_table.join(rollout_table, rollout_table.c.id == call_table.c.rollout_id)
+            query = sa.select(call_table.c.id).select_from(joined).where(call_table.c.id.in_(chunk), scoped)
+            found_calls.update(connection.scalars(query))
+        for name in dict.fromkeys(tenants):
+            query = sa.select(rollout_table.c.id).where(rollout_table.c.tenant == name, scoped)
+            of_tenants[name] = list(connection.scalars(query))
+    return existing, found_calls, of_tenants
+
+
 def forget(
     db: sa.Engine,
     *,
@@ -48,30 +72,10 @@ def forget(
         raise NothingToForget("name at least one rollout, session, call or tenant to forget")
     started = time.perf_counter()
     report = Report()
-    rollout_table, call_table = Rollout.__table__, Call.__table__
     wanted_rollouts = list(dict.fromkeys(rollouts))
     session_ids = {s: session_rollout_ids(s) for s in dict.fromkeys(sessions)}
-    scoped = (rollout_table.c.tenant == within) if within is not None else sa.true()
-    with db.connect() as connection:
-        named = [r for ids in session_ids.values() for r in ids] + wanted_rollouts
-        existing: set[str] = set()
-        for chunk in _chunks(named):
-            existing.update(
-                connection.scalars(sa.select(rollout_table.c.id).where(rollout_table.c.id.in_(chunk), scoped))
-            )
-        found_calls: set[str] = set()
-        for chunk in _chunks(list(calls)):
-            found_calls.update(
-                connection.scalars(
-                    sa.select(call_table.c.id)
-                    .join(rollout_table, rollout_table.c.id == call_table.c.rollout_id)
-                    .where(call_table.c.id.in_(chunk), scoped)
-                )
-            )
-        of_tenants: dict[str, list[str]] = {}
-        for name in dict.fromkeys(tenants):
-            query = sa.select(rollout_table.c.id).where(rollout_table.c.tenant == name, scoped)
-            of_tenants[name] = list(connection.scalars(query))
+    named = [r for ids in session_ids.values() for r in ids] + wanted_rollouts
+    existing, found_calls, of_tenants = _find(db, named, calls, tenants, within)
     report.not_found = [r for r in wanted_rollouts if r not in existing]
     report.not_found += [s for s, ids in session_ids.items() if not existing.intersection(ids)]
     report.not_found += [c for c in dict.fromkeys(calls) if c not in found_calls]
