@@ -65,11 +65,9 @@ async def create_key(body: CreateKey, request: Request, state: State) -> dict[st
 
 @router.get("/v1/admin/keys", dependencies=[AdminAuth])
 async def list_keys(request: Request, state: State, tenant: str | None = None, revoked: bool = False) -> dict[str, Any]:
-    principal = principal_of(request)
-    if principal.tenant is not None:
-        if tenant is not None and tenant != principal.tenant:
-            return {"object": "list", "data": []}
-        tenant = principal.tenant
+    visible, tenant = principal_of(request).listed(tenant)
+    if not visible:
+        return {"object": "list", "data": []}
     found = await asyncio.to_thread(keys.list_keys, state.db, tenant, revoked=revoked)
     return {"object": "list", "data": [k.as_dict() for k in found]}
 
@@ -125,11 +123,9 @@ async def set_quota(body: SetQuota, request: Request, state: State) -> dict[str,
 @router.get("/v1/admin/quotas", dependencies=[AdminAuth])
 async def list_quotas(request: Request, state: State, tenant: str | None = None) -> dict[str, Any]:
     """Every tenant and key with a limit (a tenant admin: its own), with the usage in the last minute."""
-    principal = principal_of(request)
-    if principal.tenant is not None:
-        if tenant is not None and tenant != principal.tenant:
-            return {"object": "list", "data": []}
-        tenant = principal.tenant
+    visible, tenant = principal_of(request).listed(tenant)
+    if not visible:
+        return {"object": "list", "data": []}
     found = await asyncio.to_thread(quota_store.quotas, state.db, tenant)
     now = time.time()
     minute = quota_book.minute_of(now)

@@ -95,10 +95,9 @@ async def list_rollouts(
     """Rollouts, newest first; a tenant admin's list holds its tenant's only (``tenant`` filters the global
     admin's)."""
     principal = principal_of(request)
-    if principal.tenant is not None:
-        if tenant is not None and tenant != principal.tenant:
-            return {"object": "list", "data": [], "next_cursor": None}
-        tenant = principal.tenant
+    visible, tenant = principal.listed(tenant)
+    if not visible:
+        return {"object": "list", "data": [], "next_cursor": None}
     f = rollout_lifecycle.RolloutFilter(task_id, harness, status, group, policy_version, since, until, eval, tenant)
     rows, next_cursor = await asyncio.to_thread(
         rollout_lifecycle.list_rollouts, state.db, f, limit=limit, cursor=cursor

@@ -31,6 +31,13 @@ class Principal:
         """The tenant a call served for this principal belongs to (the global admin's calls: the default one)."""
         return self.tenant if self.tenant is not None else DEFAULT_TENANT
 
+    def listed(self, asked: str | None) -> tuple[bool, str | None]:
+        """A listing filtered by tenant ``asked`` (None: any): whether it may show anything, and the tenant to
+        filter by (None: all). A tenant's key lists its own tenant's records only; asking for another's lists none."""
+        if self.tenant is None:
+            return True, asked
+        return asked in (None, self.tenant), self.tenant
+
     def sees(self, tenant: str | None) -> bool:
         """Whether data of ``tenant`` is visible: the global admin sees all, everyone else their own tenant."""
         return self.tenant is None or tenant == self.tenant
