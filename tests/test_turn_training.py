@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from gateway.store import turns
 from gateway.store.db import connect
-from gateway.store.models import Call, Judgement, TrainedTurn
+from gateway.store.models import Call, Judgement, PolicyVersion, TrainedTurn
 from prefix_tree import CallView, build_tree
 from tests.fakes import ScriptedEngine
 from tests.test_trainer_daemon import Daemon, recorded_versions, train_cmd
@@ -322,7 +322,11 @@ def test_stale_turns_are_consumed_without_a_judge_verdict(gateway_factory, tiny_
     feedback(gw, fresh[0], 1.0)
     db = connect(url)
     trainer = Trainer(config(tiny_model_dir, url, adapters, await_judge=True), db)
-    trainer.version = 10  # as if ten steps had been taken since the old conversation was served
+    with Session(db) as session, session.begin():  # as if ten versions were published since it was served
+        for v in range(1, 11):
+            name = lora.version_name(v)
+            session.add(PolicyVersion(version=v, adapter_name=name, path=name, base_model="tiny", status="retired"))
+    trainer.version = 10
     with Session(db) as session, session.begin():
         session.execute(sa.update(Call).where(Call.id.in_(fresh[:2])).values(policy_version=10))
         session.add(Judgement(call_id=fresh[0], rollout_id=fresh[2], status="done", attempts=0))

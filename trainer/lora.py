@@ -51,6 +51,7 @@ class Manifest:
     metrics: dict[str, float] = field(default_factory=dict)
     parent_version: int | None = None
     rolled_back_from: int | None = None  # a rollback: the weights are those of this earlier version
+    lineage: str = ""  # "" the shared policy, else the tenant whose own policy it is
     created_at: str = field(default_factory=lambda: dt.datetime.now(dt.UTC).isoformat())
 
 

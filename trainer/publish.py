@@ -122,6 +122,7 @@ def record_version(
         base_model=manifest.base_model,
         parent_version=manifest.parent_version,
         rolled_back_from=manifest.rolled_back_from,
+        lineage=manifest.lineage,
     )
     return train_steps.publish(
         db,

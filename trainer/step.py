@@ -25,6 +25,12 @@ version and everything it consumed (``trained_rollouts`` / ``trained_turns``, pr
 trained twice in an epoch). A crash before that commit leaves nothing recorded: the data stays ready and the next
 run starts again from the last published version.
 
+**Lineages** (``gateway/store/lineages.py``): besides the shared policy, each tenant with a policy of its own has
+a lineage, trained only on its tenant's data. One ``Trainer`` holds them all on one base model: the active lineage's
+LoRA weights sit in the model, the others' are parked (a copy of their weights, their optimizer and value head);
+``activate`` swaps them. A new lineage starts from the shared incumbent's weights. Version numbers are global; a
+version's staleness counts only its lineage's newer versions.
+
 What is ready and what is stale comes from the store (``gateway/store/readiness.py``, ``turns.py``), the trees from
 ``gateway/store/training_data.py``; the configuration is ``config.py``, a step's working data ``plan.py``.
 
@@ -41,14 +47,15 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import cast
 
 import sqlalchemy as sa
 import torch
 
-from gateway.store import policy_versions, turns
+from gateway.store import policy_versions, promotion, turns
+from gateway.store.policy_versions import SHARED
 from gateway.store.readiness import ready_rollouts, stale_rollouts, stale_turns
 from gateway.store.training_data import RolloutData, load_rollout, load_turns, turn_trees
 from prefix_tree import RolloutTree
@@ -63,8 +70,18 @@ from trainer.plan import StepPlan, StepResult, group_of, served_version
 log = logging.getLogger("clawgate.trainer")
 
 
+@dataclass(slots=True)
+class _Parked:
+    """A lineage that is not active: its weights, optimizer and value head, kept until it is activated again."""
+
+    weights: dict[str, torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    critic: ppo.Critic | None
+    parent: int
+
+
 class Trainer:
-    """Holds the policy and its optimizer across steps (``clawgate train`` runs one per process)."""
+    """Holds the policy and its optimizer across steps (``clawgate train`` runs one per process), per lineage."""
 
     def __init__(self, config: TrainConfig, db: sa.Engine) -> None:
         self.config = config
@@ -94,8 +111,53 @@ class Trainer:
             self.version = latest
             self.critic = self._critic(path)
         self.policy.train()
+        self.optimizer = self._new_optimizer()
+        self.lineage = SHARED  # the lineage whose weights the policy holds
+        self._parked: dict[str, _Parked] = {}
+        self._versions: list[int] = []  # the active lineage's versions, newest first (staleness)
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+        return torch.optim.AdamW(params, lr=self.config.lr, weight_decay=0.0)
+
+    def parent_of(self, lineage: str) -> int | None:
+        """The version whose weights ``lineage`` holds (None: a lineage not opened yet)."""
+        if lineage == self.lineage:
+            return self.parent
+        parked = self._parked.get(lineage)
+        return parked.parent if parked is not None else None
+
+    def activate(self, lineage: str) -> None:
+        """Make ``lineage`` the one the policy holds: park the active one's weights, optimizer and value head, and
+        bring in ``lineage``'s (opened from its newest version not rejected, or forked from the shared incumbent)."""
+        if lineage == self.lineage:
+            return
+        weights = {n: p.detach().clone() for n, p in self.policy.named_parameters() if p.requires_grad}
+        self._parked[self.lineage] = _Parked(weights, self.optimizer, self.critic, self.parent)
+        parked = self._parked.pop(lineage, None)
+        if parked is not None:
+            with torch.no_grad():
+                for name, param in self.policy.named_parameters():
+                    if name in parked.weights:
+                        param.copy_(parked.weights[name])
+            self.optimizer, self.critic, self.parent = parked.optimizer, parked.critic, parked.parent
+        else:
+            start = policy_versions.newest_not_rejected(self.db, lineage)
+            if start is None:  # a new lineage: from the weights the shared policy serves
+                incumbent = promotion.read_state(self.db, SHARED).incumbent
+                start = incumbent.version if incumbent is not None else policy_versions.newest_not_rejected(self.db)
+            self._reload(start or 0)
+            self.parent = start or 0
+            log.info("lineage %s opened from the weights of policy@v%d", lineage, self.parent)
+        self.lineage = lineage
+
+    def _behind(self, served: int) -> int:
+        """How many of the active lineage's versions are newer than ``served``."""
+        return sum(1 for v in self._versions if v > served)
+
+    def _oldest_ok(self, bound: int) -> int:
+        """The oldest version whose data is within ``bound`` versions of the active lineage's newest."""
+        return self._versions[bound] if len(self._versions) > bound else 0
 
     def step(self) -> StepResult | None:
         """One training step, or None when nothing is ready: claim the ready rollouts and turns, build their trees,
@@ -104,9 +166,14 @@ class Trainer:
         cfg = self.config
         t0 = time.perf_counter()
         started = dt.datetime.now(dt.UTC)
-        ids = ready_rollouts(self.db, cfg.epoch, cfg.max_rollouts)
+        ids = ready_rollouts(self.db, cfg.epoch, cfg.max_rollouts, self.lineage)
         turn_ids = turns.ready_turns(
-            self.db, cfg.epoch, cfg.max_turns, await_judge=cfg.await_judge, secrets=cfg.tree.secrets
+            self.db,
+            cfg.epoch,
+            cfg.max_turns,
+            await_judge=cfg.await_judge,
+            secrets=cfg.tree.secrets,
+            lineage=self.lineage,
         )
         if not ids and not turn_ids:
             return None
@@ -114,6 +181,7 @@ class Trainer:
         plan = StepPlan(data, load_turns(self.db, turn_ids))
         if not plan.rollouts and not plan.turns:
             return None
+        self._versions = policy_versions.lineage_versions(self.db, self.lineage)
         try:
             self._screen(plan)
             metrics = self._critic_step(plan) if cfg.advantage == "critic" else self._policy_gradient_step(plan)
@@ -133,6 +201,7 @@ class Trainer:
                     turns=sorted(consumed_turns),
                     metrics=metrics,
                     parent_version=self.parent,
+                    lineage=self.lineage,
                 ),
                 step=(started, metrics),
                 consumed=consumed,
@@ -166,7 +235,7 @@ class Trainer:
         bound = self.config.max_staleness
         for d in plan.rollouts:
             served = served_version(d)
-            stale = self.version - served
+            stale = self._behind(served)
             if d.tree.dropped:
                 plan.skipped[d.rollout.id] = f"tree dropped: {d.tree.report.dropped_reason}"
             elif d.reward is None:
@@ -178,7 +247,7 @@ class Trainer:
                 plan.staleness.append(stale)
         for t in plan.turns:
             served = t.policy_version or 0
-            stale = self.version - served
+            stale = self._behind(served)
             if t.reward is None:
                 plan.skipped[t.call_id] = "no reward"
             elif bound is not None and stale > bound:
@@ -220,7 +289,7 @@ class Trainer:
             credits.append(plan.turn_advantages)
         log.info(
             "step from policy@v%d: %d rollouts (%d with signal), %d turns (%d with signal)",
-            self.version,
+            self.parent,
             len(plan.rollouts),
             len(plan.trained),
             len(plan.turns),
@@ -238,7 +307,7 @@ class Trainer:
             trees.append(tree)
             rewards.append(turn_rewards)
         log.info(
-            "step from policy@v%d (ppo): %d rollouts, %d turns", self.version, len(plan.usable), len(plan.usable_turns)
+            "step from policy@v%d (ppo): %d rollouts, %d turns", self.parent, len(plan.usable), len(plan.usable_turns)
         )
         if not trees:
             return {}
@@ -272,15 +341,15 @@ class Trainer:
         }
         if cfg.max_staleness is not None:
             # The backlog beyond the staleness bound is consumed (and reported) without loading its trees.
-            oldest_ok = self.version - cfg.max_staleness
-            for rid, served in stale_rollouts(self.db, cfg.epoch, oldest_ok).items():
+            oldest_ok = self._oldest_ok(cfg.max_staleness)
+            for rid, served in stale_rollouts(self.db, cfg.epoch, oldest_ok, lineage=self.lineage).items():
                 if rid not in consumed:
                     consumed[rid] = None
-                    plan.skipped[rid] = f"stale: served by policy@v{served}, {self.version - served} versions behind"
-            for cid, (rid, served) in stale_turns(self.db, cfg.epoch, oldest_ok).items():
+                    plan.skipped[rid] = f"stale: served by policy@v{served}, {self._behind(served)} versions behind"
+            for cid, (rid, served) in stale_turns(self.db, cfg.epoch, oldest_ok, lineage=self.lineage).items():
                 if cid not in consumed_turns:
                     consumed_turns[cid] = (rid, None, None)
-                    plan.skipped[cid] = f"stale: served by policy@v{served}, {self.version - served} versions behind"
+                    plan.skipped[cid] = f"stale: served by policy@v{served}, {self._behind(served)} versions behind"
         return consumed, consumed_turns
 
     def _hold_lonely(self, data: list[RolloutData]) -> list[RolloutData]:
@@ -321,8 +390,7 @@ class Trainer:
         lora.load_weights(self.policy, path)
         if self.critic is not None:
             self.critic = self._critic(path)
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=0.0)
+        self.optimizer = self._new_optimizer()
         version = self.version + 1
         self._publish(
             lora.Manifest(
@@ -332,6 +400,7 @@ class Trainer:
                 lora=asdict(self.config.lora),
                 parent_version=to,
                 rolled_back_from=to,
+                lineage=self.lineage,
             ),
             step=None,
             consumed={},
@@ -353,10 +422,9 @@ class Trainer:
         """The policy (and value head) back to version ``to``'s weights, with a fresh optimizer."""
         path = lora.version_path(self.config.adapter_dir, to)
         lora.load_weights(self.policy, path)
-        if self.critic is not None:
+        if self.critic is not None or self.config.algorithm == "ppo":
             self.critic = self._critic(path)
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=0.0)
+        self.optimizer = self._new_optimizer()
 
     def _critic(self, resumed: Path | None) -> ppo.Critic | None:
         """PPO's value head: the one saved in the version resumed from, else a fresh one (None for GRPO)."""

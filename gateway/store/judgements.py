@@ -37,8 +37,7 @@ def oldest_useful_version(session: Session, max_staleness: int | None) -> int | 
     """Turns served by an older version would be consumed untrained (staleness bound): not worth a judge call."""
     if max_staleness is None:
         return None
-    newest = policy_versions.newest(session)
-    return None if newest is None else int(newest) - max_staleness
+    return policy_versions.oldest_within(session, max_staleness)
 
 
 def candidates(

@@ -210,12 +210,17 @@ class PolicyVersion(Base):
     stage: Mapped[str] = mapped_column(sa.String, default="promoted", server_default="promoted")
     stage_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     canary_share: Mapped[float | None] = mapped_column(sa.Float)
+    # The lineage it belongs to: a tenant's own policy (the tenant's name) or the shared one (""). Version numbers
+    # are global; a lineage's versions are the rows with its name.
+    lineage: Mapped[str] = mapped_column(sa.String(64), default="", server_default="")
+
+    __table_args__ = (sa.Index("ix_policy_versions_lineage", "lineage", "version"),)
 
 
 class PolicyControl(Base):
-    """The operator's hold on what is served (one row, id 1): a pinned version every gateway serves until unpinned,
-    and a rollback the trainer has yet to carry out (republish that version's weights as a new version and train on
-    from it). Versions themselves stay immutable and their numbers monotonic."""
+    """The operator's hold on what is served (one row per lineage; the shared lineage's is id 1): a pinned version
+    every gateway serves until unpinned, and a rollback the trainer has yet to carry out (republish that version's
+    weights as a new version and train on from it). Versions themselves stay immutable and their numbers monotonic."""
 
     __tablename__ = "policy_control"
 
@@ -225,6 +230,7 @@ class PolicyControl(Base):
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     # "guarded" | "immediate", as the gateways last said (the trainer publishes candidates or promoted versions).
     promotion: Mapped[str | None] = mapped_column(sa.String)
+    lineage: Mapped[str] = mapped_column(sa.String(64), default="", server_default="", unique=True)
 
 
 class TrainStep(Base):
@@ -405,6 +411,8 @@ class Tenant(Base):
     # Quotas over all of the tenant's keys (None: unlimited); ``gateway/tenants/quotas.py`` enforces them.
     requests_per_minute: Mapped[int | None] = mapped_column(sa.Integer)
     tokens_per_minute: Mapped[int | None] = mapped_column(sa.Integer)
+    # A policy of its own: a lineage trained only on this tenant's traffic and served only to its keys.
+    own_policy: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default=sa.false())
 
 
 class ApiKey(Base):

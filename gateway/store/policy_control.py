@@ -7,7 +7,8 @@
   clears the request and the pin, so gateways move on to N+1 and later versions train from it. Versions stay
   immutable and their numbers monotonic; every call still records the version that served it.
 
-One row (id 1) in ``policy_control`` holds both; it is written only through these functions.
+Each lineage (the shared policy, or a tenant's own: ``policy_versions``) has its own pin and rollback: one row per
+lineage in ``policy_control`` (the shared lineage's is id 1), written only through these functions.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from gateway.store import policy_versions
 from gateway.store.models import PolicyControl
+from gateway.store.policy_versions import SHARED
 
 ROW_ID = 1
 
@@ -35,53 +37,67 @@ class Control:
     updated_at: dt.datetime | None = None
 
 
-def read(db: sa.Engine) -> Control:
+def find(session: Session, lineage: str = SHARED, *, for_update: bool = False) -> PolicyControl | None:
+    """The row of ``lineage`` (None: nothing was ever pinned, rolled back or set there)."""
+    query = sa.select(PolicyControl).where(PolicyControl.lineage == lineage)
+    return session.scalar(query.with_for_update() if for_update else query)
+
+
+def read(db: sa.Engine, lineage: str = SHARED) -> Control:
     with Session(db) as session:
-        row = session.get(PolicyControl, ROW_ID)
+        row = find(session, lineage)
         return Control(row.pinned_version, row.rollback_to, row.updated_at) if row is not None else Control()
 
 
-def _row(session: Session) -> PolicyControl:
-    row = session.get(PolicyControl, ROW_ID, with_for_update=True)
+def _row(session: Session, lineage: str = SHARED) -> PolicyControl:
+    row = find(session, lineage, for_update=True)
     if row is None:
-        row = PolicyControl(id=ROW_ID)
+        ids = session.scalar(sa.select(sa.func.max(PolicyControl.id))) or ROW_ID
+        row = PolicyControl(id=ROW_ID if lineage == SHARED else ids + 1, lineage=lineage)
         session.add(row)
     return row
 
 
-def _require(session: Session, version: int) -> None:
-    if not policy_versions.exists(session, version):
+def _require(session: Session, version: int, lineage: str) -> None:
+    found = policy_versions.lineage_of(session, version)
+    if found is None:
         raise UnknownVersion(f"policy version {version} was never published")
+    if found != lineage:
+        raise UnknownVersion(f"policy version {version} is not a version of {describe(lineage)}")
 
 
-def pin(db: sa.Engine, version: int) -> Control:
+def describe(lineage: str) -> str:
+    return "the shared policy" if lineage == SHARED else f"tenant {lineage}'s policy"
+
+
+def pin(db: sa.Engine, version: int, lineage: str = SHARED) -> Control:
     with Session(db) as session, session.begin():
-        _require(session, version)
-        row = _row(session)
+        _require(session, version, lineage)
+        row = _row(session, lineage)
         row.pinned_version, row.updated_at = version, dt.datetime.now(dt.UTC)
         return Control(row.pinned_version, row.rollback_to, row.updated_at)
 
 
-def unpin(db: sa.Engine) -> Control:
+def unpin(db: sa.Engine, lineage: str = SHARED) -> Control:
     """Serving follows the newest version again (a pending rollback is withdrawn too: it pins what it rolls to)."""
     with Session(db) as session, session.begin():
-        row = _row(session)
+        row = _row(session, lineage)
         row.pinned_version, row.rollback_to, row.updated_at = None, None, dt.datetime.now(dt.UTC)
         return Control(None, None, row.updated_at)
 
 
-def request_rollback(db: sa.Engine, version: int) -> Control:
+def request_rollback(db: sa.Engine, version: int, lineage: str = SHARED) -> Control:
     with Session(db) as session, session.begin():
-        _require(session, version)
-        row = _row(session)
+        _require(session, version, lineage)
+        row = _row(session, lineage)
         row.pinned_version, row.rollback_to, row.updated_at = version, version, dt.datetime.now(dt.UTC)
         return Control(row.pinned_version, row.rollback_to, row.updated_at)
 
 
-def complete_rollback(session: Session, rolled_back_to: int) -> None:
+def complete_rollback(session: Session, rolled_back_to: int, lineage: str = SHARED) -> None:
     """Inside the transaction that records the republished version: the request is done and the pin released,
     unless the operator has changed them in the meantime."""
-    row = session.get(PolicyControl, ROW_ID, with_for_update=True)
+    row = find(session, lineage, for_update=True)
     if row is None or row.rollback_to != rolled_back_to:
         return
     row.rollback_to = None
@@ -90,4 +106,14 @@ def complete_rollback(session: Session, rolled_back_to: int) -> None:
     row.updated_at = dt.datetime.now(dt.UTC)
 
 
-__all__ = ["Control", "UnknownVersion", "complete_rollback", "pin", "read", "request_rollback", "unpin"]
+__all__ = [
+    "Control",
+    "UnknownVersion",
+    "complete_rollback",
+    "describe",
+    "find",
+    "pin",
+    "read",
+    "request_rollback",
+    "unpin",
+]

@@ -6,6 +6,10 @@ guarded promotion moves its ``stage`` (``promotion.py`` decides and records why;
 operator's pin and rollback check that it exists (``policy_control.py``), and the console, the readiness counts, the
 reward worker and the trainer read the newest one. Functions taking a ``Session`` run inside the caller's
 transaction; those taking an engine open their own.
+
+Every version belongs to a lineage (``lineage``): "" for the shared policy, a tenant's name for a policy of its own
+(``tenants.own_policy``). Version numbers are global (one trainer numbers them all); stages, "current", the newest
+and the incumbent are each lineage's own.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from sqlalchemy.orm import Session
 
 from gateway.store.models import PolicyVersion
 
+SHARED = ""  # the shared lineage: every tenant without a policy of its own
+
 
 @dataclass(frozen=True, slots=True)
 class NewVersion:
@@ -31,6 +37,7 @@ class NewVersion:
     base_model: str
     parent_version: int | None = None
     rolled_back_from: int | None = None  # a rollback: the weights are those of this earlier version
+    lineage: str = SHARED
 
 
 def insert(
@@ -58,6 +65,7 @@ def insert(
             rolled_back_from=new.rolled_back_from,
             stage=stage,
             stage_at=at,
+            lineage=new.lineage,
         )
     )
 
@@ -89,10 +97,38 @@ def count(session: Session) -> int:
     return int(session.scalar(sa.select(sa.func.count()).select_from(PolicyVersion)) or 0)
 
 
-def newest_not_rejected(db: sa.Engine) -> int | None:
-    """The newest version whose weights a trainer may train on from (a rejected one's it must not)."""
+def newest_not_rejected(db: sa.Engine, lineage: str = SHARED) -> int | None:
+    """The newest version of ``lineage`` whose weights a trainer may train on from (a rejected one's it must not)."""
     with Session(db) as session:
-        return session.scalar(sa.select(sa.func.max(PolicyVersion.version)).where(PolicyVersion.stage != "rejected"))
+        return session.scalar(
+            sa.select(sa.func.max(PolicyVersion.version)).where(
+                PolicyVersion.stage != "rejected", PolicyVersion.lineage == lineage
+            )
+        )
+
+
+def lineage_of(session: Session, version: int) -> str | None:
+    return session.scalar(sa.select(PolicyVersion.lineage).where(PolicyVersion.version == version))
+
+
+def oldest_within(session: Session, bound: int) -> int | None:
+    """The oldest version within ``bound`` versions of its lineage's newest, over every lineage (None: no lineage has
+    more than ``bound`` versions yet, so nothing is beyond the bound anywhere)."""
+    by_lineage: dict[str, list[int]] = {}
+    for lineage, version in session.execute(
+        sa.select(PolicyVersion.lineage, PolicyVersion.version).order_by(PolicyVersion.version.desc())
+    ):
+        by_lineage.setdefault(lineage, []).append(int(version))
+    if not by_lineage or any(len(v) <= bound for v in by_lineage.values()):
+        return None
+    return min(v[bound] for v in by_lineage.values())
+
+
+def lineage_versions(db: sa.Engine, lineage: str) -> list[int]:
+    """The versions of ``lineage``, newest first."""
+    with Session(db) as session:
+        query = sa.select(PolicyVersion.version).where(PolicyVersion.lineage == lineage)
+        return list(session.scalars(query.order_by(PolicyVersion.version.desc())))
 
 
 # -- stages (guarded promotion: ``promotion.py`` takes the decisions) ------------------------------------------
@@ -107,21 +143,23 @@ def stage_of(db: sa.Engine, version: int) -> str | None:
         return stage(session, version)
 
 
-def any_promoted(session: Session) -> bool:
-    """Whether an incumbent exists (a version was ever promoted)."""
-    found = session.scalar(sa.select(PolicyVersion.version).where(PolicyVersion.stage == "promoted").limit(1))
-    return found is not None
+def any_promoted(session: Session, lineage: str = SHARED) -> bool:
+    """Whether ``lineage`` has an incumbent (a version of it was ever promoted)."""
+    query = sa.select(PolicyVersion.version).where(PolicyVersion.stage == "promoted", PolicyVersion.lineage == lineage)
+    return session.scalar(query.limit(1)) is not None
 
 
-def in_stages(session: Session, stages: Sequence[str]) -> list[PolicyVersion]:
-    """The versions in any of ``stages``, newest first."""
-    query = sa.select(PolicyVersion).where(PolicyVersion.stage.in_(tuple(stages)))
+def in_stages(session: Session, stages: Sequence[str], lineage: str = SHARED) -> list[PolicyVersion]:
+    """The versions of ``lineage`` in any of ``stages``, newest first."""
+    query = sa.select(PolicyVersion).where(PolicyVersion.stage.in_(tuple(stages)), PolicyVersion.lineage == lineage)
     return list(session.scalars(query.order_by(PolicyVersion.version.desc())))
 
 
-def older_in_stages(session: Session, version: int, stages: Sequence[str]) -> list[int]:
-    """The versions before ``version`` in any of ``stages``."""
-    query = sa.select(PolicyVersion.version).where(PolicyVersion.version < version, PolicyVersion.stage.in_(stages))
+def older_in_stages(session: Session, version: int, stages: Sequence[str], lineage: str = SHARED) -> list[int]:
+    """The versions of ``lineage`` before ``version`` in any of ``stages``."""
+    query = sa.select(PolicyVersion.version).where(
+        PolicyVersion.version < version, PolicyVersion.stage.in_(stages), PolicyVersion.lineage == lineage
+    )
     return list(session.scalars(query).all())
 
 
@@ -139,7 +177,7 @@ def set_stage(session: Session, version: int, *, expect: Sequence[str] | None, *
 
 
 def mark_current(db: sa.Engine, version: int, loaded_at: dt.datetime) -> None:
-    """One transaction: this version is current (and loaded), no other is."""
+    """One transaction: this version is current (and loaded), no other of its lineage is."""
     now = dt.datetime.now(dt.UTC)
     with Session(db) as session, session.begin():
         row = session.get(PolicyVersion, version)
@@ -147,7 +185,11 @@ def mark_current(db: sa.Engine, version: int, loaded_at: dt.datetime) -> None:
             return
         session.execute(
             sa.update(PolicyVersion)
-            .where(PolicyVersion.version != version, PolicyVersion.is_current.is_(True))
+            .where(
+                PolicyVersion.version != version,
+                PolicyVersion.is_current.is_(True),
+                PolicyVersion.lineage == row.lineage,
+            )
             .values(is_current=False)
         )
         row.is_current = True
@@ -166,6 +208,7 @@ def mark_retired(db: sa.Engine, version: int) -> None:
 
 
 __all__ = [
+    "SHARED",
     "NewVersion",
     "any_promoted",
     "count",
@@ -173,12 +216,15 @@ __all__ = [
     "get",
     "in_stages",
     "insert",
+    "lineage_of",
+    "lineage_versions",
     "mark_current",
     "mark_retired",
     "newest",
     "newest_first",
     "newest_not_rejected",
     "older_in_stages",
+    "oldest_within",
     "published",
     "set_stage",
     "stage",

@@ -6,8 +6,10 @@ evaluation gate publishes it ``evaluating`` first: it serves only the rollouts p
 on to ``candidate`` or rejects it (``trainer/eval_gate.py``). Every move is one
 transaction that changes the stage only if it is still the one the mover saw (``UPDATE … WHERE stage IN …``) and
 records a ``promotion_decisions`` row, so when several gateways decide at once exactly one decision is taken.
-The promotion mode (``guarded`` | ``immediate``) is stored beside the operator's pin (``policy_control``): the
-gateways write it, the trainer reads it when it publishes.
+The promotion mode (``guarded`` | ``immediate``) is stored beside the operator's pin of the shared lineage
+(``policy_control``): the gateways write it, the trainer reads it when it publishes; it holds for every lineage.
+Stages, the incumbent and the canary are each lineage's own (``policy_versions``: a tenant's own policy is promoted
+against its own incumbent, on its own traffic).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from sqlalchemy.orm import Session
 
 from gateway.store import policy_control, policy_versions
 from gateway.store.models import Call, PolicyControl, PolicyVersion, PromotionDecision, Reward, Rollout
+from gateway.store.policy_versions import SHARED
 from gateway.store.turns import turn_rewards
 
 GUARDED, IMMEDIATE = "guarded", "immediate"
@@ -35,31 +38,33 @@ class NotDecidable(ValueError):
 def set_mode(db: sa.Engine, mode: str) -> str | None:
     """Record the gateways' promotion mode; returns the mode recorded before (another gateway's, or None)."""
     with Session(db) as session, session.begin():
-        row = session.get(PolicyControl, policy_control.ROW_ID, with_for_update=True)
+        row = policy_control.find(session, SHARED, for_update=True)
         if row is None:
-            row = PolicyControl(id=policy_control.ROW_ID, updated_at=dt.datetime.now(dt.UTC))
+            row = PolicyControl(id=policy_control.ROW_ID, lineage=SHARED, updated_at=dt.datetime.now(dt.UTC))
             session.add(row)
         before, row.promotion = row.promotion, mode
         return before
 
 
 def mode_in(session: Session) -> str:
-    row = session.get(PolicyControl, policy_control.ROW_ID)
+    row = policy_control.find(session, SHARED)
     return (row.promotion if row is not None else None) or IMMEDIATE
 
 
-def initial_stage(session: Session, *, rolled_back_from: int | None, gated: bool = False) -> str:
+def initial_stage(session: Session, *, rolled_back_from: int | None, gated: bool = False, lineage: str = SHARED) -> str:
     """The stage a version is published in: a candidate under guarded promotion (``evaluating`` first when its
     trainer has an evaluation gate), unless there is nothing to compare it with (the first version) or its weights
     are an earlier version's (a rollback); promoted otherwise."""
     if mode_in(session) != GUARDED or rolled_back_from is not None:
         return "promoted"
-    if not policy_versions.any_promoted(session):
+    if not policy_versions.any_promoted(session, lineage):
         return "promoted"
     return "evaluating" if gated else "candidate"
 
 
-def record_published(session: Session, version: int, *, rolled_back_from: int | None, at: dt.datetime) -> None:
+def record_published(
+    session: Session, version: int, *, rolled_back_from: int | None, at: dt.datetime, lineage: str = SHARED
+) -> None:
     """Inside the transaction that publishes a promoted ``version``: say why it skipped the canary, and under guarded
     promotion retire what is still undecided (a rollback goes back to proven weights; what was trained before it
     is superseded)."""
@@ -70,7 +75,7 @@ def record_published(session: Session, version: int, *, rolled_back_from: int | 
     )
     if not guarded:
         return
-    for older in policy_versions.older_in_stages(session, version, UNDECIDED):
+    for older in policy_versions.older_in_stages(session, version, UNDECIDED, lineage):
         policy_versions.set_stage(session, older, expect=None, stage="rejected", stage_at=at)
         session.add(
             PromotionDecision(
@@ -99,14 +104,13 @@ class State:
         return self.canary or next(iter(self.candidates[-1:] or self.evaluating[-1:]), None)
 
 
-def read_state(db: sa.Engine) -> State:
+def read_state(db: sa.Engine, lineage: str = SHARED) -> State:
+    """``lineage``'s stages, its pin, and the promotion mode."""
     with Session(db, expire_on_commit=False) as session:
-        control = session.get(PolicyControl, policy_control.ROW_ID)
-        rows = policy_versions.in_stages(session, (*UNDECIDED, "promoted"))
-    state = State(
-        mode=(control.promotion if control is not None else None) or IMMEDIATE,
-        pinned=control.pinned_version if control is not None else None,
-    )
+        mode = mode_in(session)
+        control = policy_control.find(session, lineage)
+        rows = policy_versions.in_stages(session, (*UNDECIDED, "promoted"), lineage)
+    state = State(mode=mode, pinned=control.pinned_version if control is not None else None)
     for row in rows:
         if row.stage == "promoted":
             state.promoted.append(row.version)
@@ -155,10 +159,12 @@ def move(
     return True
 
 
-def decide_by_operator(db: sa.Engine, outcome: str, version: int | None, who: str = "operator") -> int:
-    """Promote or reject a version being evaluated, a candidate or a canary (the newest undecided one when
-    ``version`` is None); returns it."""
-    state = read_state(db)
+def decide_by_operator(
+    db: sa.Engine, outcome: str, version: int | None, who: str = "operator", lineage: str = SHARED
+) -> int:
+    """Promote or reject a version of ``lineage`` being evaluated, a candidate or a canary (the newest undecided one
+    when ``version`` is None); returns it."""
+    state = read_state(db, lineage)
     undecided = [v.version for v in ([state.canary] if state.canary else []) + state.candidates + state.evaluating]
     if version is None:
         if not undecided:

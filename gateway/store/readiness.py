@@ -15,11 +15,13 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from gateway.store import policy_versions, turns
+from gateway.store.lineages import scope
 from gateway.store.models import Call, Judgement, Reward, Rollout, TrainedRollout, TrainedTurn
 
 
-def ready_condition(epoch: int | None) -> tuple[sa.ColumnElement[bool], ...]:
-    """A rollout of a task run ready to train (``epoch`` None: consumed in no epoch at all)."""
+def ready_condition(epoch: int | None, lineage: str | None = None) -> tuple[sa.ColumnElement[bool], ...]:
+    """A rollout of a task run ready to train (``epoch`` None: consumed in no epoch at all) by ``lineage`` (None:
+    by any)."""
     consumed = sa.select(TrainedRollout.rollout_id)
     if epoch is not None:
         consumed = consumed.where(TrainedRollout.epoch == epoch)
@@ -30,10 +32,11 @@ def ready_condition(epoch: int | None) -> tuple[sa.ColumnElement[bool], ...]:
         Rollout.group_key.is_not(None),
         Rollout.id.in_(rewarded),
         Rollout.id.not_in(consumed),
+        *scope(lineage),
     )
 
 
-def ready_rollouts(db: sa.Engine, epoch: int, limit: int) -> list[str]:
+def ready_rollouts(db: sa.Engine, epoch: int, limit: int, lineage: str | None = None) -> list[str]:
     """Finished, rewarded, not evaluation, not consumed in ``epoch``: the freshest first.
 
     Freshest first, because clients may produce rollouts faster than the trainer consumes them: oldest-first would
@@ -42,7 +45,7 @@ def ready_rollouts(db: sa.Engine, epoch: int, limit: int) -> list[str]:
     """
     query = (
         sa.select(Rollout.id)
-        .where(*ready_condition(epoch))
+        .where(*ready_condition(epoch, lineage))
         .order_by(Rollout.finished_at.desc(), Rollout.id.desc())
         .limit(limit)
     )
@@ -50,7 +53,9 @@ def ready_rollouts(db: sa.Engine, epoch: int, limit: int) -> list[str]:
         return list(session.scalars(query))
 
 
-def stale_rollouts(db: sa.Engine, epoch: int, oldest_ok: int, limit: int = 10_000) -> dict[str, int]:
+def stale_rollouts(
+    db: sa.Engine, epoch: int, oldest_ok: int, limit: int = 10_000, lineage: str | None = None
+) -> dict[str, int]:
     """Ready rollouts with a call served by a version older than ``oldest_ok``: rollout id -> that version."""
     served = (
         sa.select(Call.rollout_id, sa.func.min(sa.func.coalesce(Call.policy_version, 0)).label("version"))
@@ -61,14 +66,16 @@ def stale_rollouts(db: sa.Engine, epoch: int, oldest_ok: int, limit: int = 10_00
     query = (
         sa.select(Rollout.id, served.c.version)
         .join(served, served.c.rollout_id == Rollout.id)
-        .where(*ready_condition(epoch), served.c.version < oldest_ok)
+        .where(*ready_condition(epoch, lineage), served.c.version < oldest_ok)
         .limit(limit)
     )
     with Session(db) as session:
         return {row[0]: int(row[1]) for row in session.execute(query)}
 
 
-def stale_turns(db: sa.Engine, epoch: int, oldest_ok: int, limit: int = 10_000) -> dict[str, tuple[str, int]]:
+def stale_turns(
+    db: sa.Engine, epoch: int, oldest_ok: int, limit: int = 10_000, lineage: str | None = None
+) -> dict[str, tuple[str, int]]:
     """Turns not consumed yet that a version older than ``oldest_ok`` served: call id -> (rollout id, version).
 
     They could never be trained (staleness only grows), ready or not, so they are consumed as stale: that also
@@ -78,7 +85,7 @@ def stale_turns(db: sa.Engine, epoch: int, oldest_ok: int, limit: int = 10_000) 
     query = (
         sa.select(Call.id, Call.rollout_id, version)
         .join(Rollout, Rollout.id == Call.rollout_id)
-        .where(*turns.is_turn(), turns.not_consumed(epoch), version < oldest_ok)
+        .where(*turns.is_turn(), turns.not_consumed(epoch), version < oldest_ok, *scope(lineage))
         .limit(limit)
     )
     with Session(db) as session:
@@ -91,18 +98,20 @@ class Readiness:
     groups: int  # groups with at least two ready rollouts (a GRPO baseline needs company)
 
 
-def readiness(db: sa.Engine, epoch: int) -> Readiness:
+def readiness(db: sa.Engine, epoch: int, lineage: str | None = None) -> Readiness:
     group = Rollout.group_key
-    sizes = sa.select(group.label("g"), sa.func.count().label("n")).where(*ready_condition(epoch)).group_by(group)
+    ready = ready_condition(epoch, lineage)
+    sizes = sa.select(group.label("g"), sa.func.count().label("n")).where(*ready).group_by(group)
     with Session(db) as session:
         rows = session.execute(sizes).all()
     return Readiness(rollouts=sum(int(r.n) for r in rows), groups=sum(1 for r in rows if int(r.n) >= 2))
 
 
-def oldest_ready_age(db: sa.Engine, epoch: int) -> float | None:
+def oldest_ready_age(db: sa.Engine, epoch: int, lineage: str | None = None) -> float | None:
     """Seconds since the oldest ready rollout finished (None: nothing is ready)."""
     with Session(db) as session:
-        oldest = session.scalar(sa.select(sa.func.min(Rollout.finished_at)).where(*ready_condition(epoch)))
+        query = sa.select(sa.func.min(Rollout.finished_at)).where(*ready_condition(epoch, lineage))
+        oldest = session.scalar(query)
     if oldest is None:
         return None
     if oldest.tzinfo is None:

@@ -55,12 +55,16 @@ def publish(
             step_id = step.id
             _record_consumed(session, new.version, step_id, epoch, consumed, consumed_turns, now)
         # Under guarded promotion a trained version is a candidate that must earn its traffic (gateway/promotion).
-        stage = promotion.initial_stage(session, rolled_back_from=new.rolled_back_from, gated=gated)
+        stage = promotion.initial_stage(
+            session, rolled_back_from=new.rolled_back_from, gated=gated, lineage=new.lineage
+        )
         policy_versions.insert(session, new, stage=stage, step=step_id or None, metrics=metrics or None, at=now)
         if new.rolled_back_from is not None:
-            policy_control.complete_rollback(session, new.rolled_back_from)
+            policy_control.complete_rollback(session, new.rolled_back_from, new.lineage)
         if stage == "promoted":
-            promotion.record_published(session, new.version, rolled_back_from=new.rolled_back_from, at=now)
+            promotion.record_published(
+                session, new.version, rolled_back_from=new.rolled_back_from, at=now, lineage=new.lineage
+            )
     return step_id
 
 

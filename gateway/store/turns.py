@@ -25,6 +25,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from gateway.credentials.tokens import COMPLETION
+from gateway.store.lineages import scope
 from gateway.store.models import Call, Judgement, Reward, Rollout, SecretFinding, TrainedTurn
 
 # APIs whose calls are conversations (the completions API takes raw prompts: no turns to judge).
@@ -82,24 +83,37 @@ def secret_in_call() -> sa.ColumnElement[bool]:
     return sa.exists().where(SecretFinding.call_id == Call.id)
 
 
-def ready(epoch: int, await_judge: bool, secrets: str = "exclude") -> tuple[sa.ColumnElement[bool], ...]:
-    """Ready to train. Under ``secrets="exclude"`` a turn whose answer holds a credential never is (it is not trained,
-    nor counted as consumed); under "drop", nor is one whose new prompt tokens held one (a turn after it, whose
-    context repeats those tokens, gets no trainable token in its tree)."""
+def ready(
+    epoch: int, await_judge: bool, secrets: str = "exclude", lineage: str | None = None
+) -> tuple[sa.ColumnElement[bool], ...]:
+    """Ready to train by ``lineage`` (None: by any; the query joins ``Rollout``). Under ``secrets="exclude"`` a turn
+    whose answer holds a credential never is (it is not trained, nor counted as consumed); under "drop", nor is one
+    whose new prompt tokens held one (a turn after it, whose context repeats those tokens, gets no trainable token in
+    its tree)."""
     trainable: tuple[sa.ColumnElement[bool], ...] = ()
     if secrets == "exclude":
         trainable = (~secret_in_answer(),)
     elif secrets == "drop":
         trainable = (~secret_in_call(),)
-    return (*is_turn(), has_next_state(), rewarded(), not_consumed(epoch), verdict_in(await_judge), *trainable)
+    return (
+        *is_turn(),
+        has_next_state(),
+        rewarded(),
+        not_consumed(epoch),
+        verdict_in(await_judge),
+        *trainable,
+        *scope(lineage),
+    )
 
 
-def ready_turns(db: sa.Engine, epoch: int, limit: int, *, await_judge: bool, secrets: str = "exclude") -> list[str]:
+def ready_turns(
+    db: sa.Engine, epoch: int, limit: int, *, await_judge: bool, secrets: str = "exclude", lineage: str | None = None
+) -> list[str]:
     """Ready turns, freshest first (as ``readiness.ready_rollouts``: the backlog ages out through staleness)."""
     query = (
         sa.select(Call.id)
         .join(Rollout, Rollout.id == Call.rollout_id)
-        .where(*ready(epoch, await_judge, secrets))
+        .where(*ready(epoch, await_judge, secrets, lineage))
         .order_by(Call.started_at.desc(), Call.id.desc())
         .limit(limit)
     )
@@ -117,21 +131,22 @@ class Backlog:
     oldest_ready_age: float | None = None  # seconds since the oldest ready turn was served
 
 
-def backlog(db: sa.Engine, epoch: int, *, await_judge: bool, secrets: str = "exclude") -> Backlog:
+def backlog(
+    db: sa.Engine, epoch: int, *, await_judge: bool, secrets: str = "exclude", lineage: str | None = None
+) -> Backlog:
     base = sa.select(sa.func.count()).select_from(Call).join(Rollout, Rollout.id == Call.rollout_id)
-    pending = (*is_turn(), not_consumed(epoch))
+    pending = (*is_turn(), not_consumed(epoch), *scope(lineage))
+    is_ready = ready(epoch, await_judge, secrets, lineage)
     with Session(db) as session:
         out = Backlog(
-            ready=int(session.scalar(base.where(*ready(epoch, await_judge, secrets))) or 0),
+            ready=int(session.scalar(base.where(*is_ready)) or 0),
             awaiting_next_state=int(session.scalar(base.where(*pending, ~has_next_state())) or 0),
         )
         if await_judge:
             waiting = sa.and_(Call.api.in_(CONVERSATION_APIS), ~judged())
             out.awaiting_judge = int(session.scalar(base.where(*pending, has_next_state(), waiting)) or 0)
         oldest = session.scalar(
-            sa.select(sa.func.min(Call.ended_at))
-            .join(Rollout, Rollout.id == Call.rollout_id)
-            .where(*ready(epoch, await_judge, secrets))
+            sa.select(sa.func.min(Call.ended_at)).join(Rollout, Rollout.id == Call.rollout_id).where(*is_ready)
         )
     if oldest is not None:
         out.oldest_ready_age = (dt.datetime.now(dt.UTC) - oldest).total_seconds()
