@@ -85,7 +85,13 @@ def register(sub: Any) -> None:
     )
     create.add_argument("--rpm", type=_limit_value, metavar="N", help="the key's requests per minute")
     create.add_argument("--tpm", type=_limit_value, metavar="N", help="the key's tokens per minute")
-    for p in (create, listing, revoke, limit):
+    policy = actions.add_parser(
+        "policy",
+        help="give a tenant a policy of its own (trained on its traffic, served to its keys) or the shared one",
+    )
+    policy.add_argument("--tenant", required=True, metavar="NAME", help="the tenant")
+    policy.add_argument("which", choices=("own", "shared"), help="own: a lineage of its own; shared: the shared policy")
+    for p in (create, listing, revoke, limit, policy):
         p.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
         p.set_defaults(func=cmd_keys)
 
@@ -101,6 +107,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
         "create": _create,
         "list": _list,
         "limit": _limit,
+        "policy": _policy,
         "revoke": _revoke,
     }
     try:
@@ -174,6 +181,28 @@ def _limit(args: argparse.Namespace, database: sa.Engine, secret: bytes | None) 
         f"{rpm if rpm is not None else 'no limit of'} requests and "
         f"{tpm if tpm is not None else 'no limit of'} tokens per minute (every gateway applies it within a second)"
     )
+
+
+def _policy(args: argparse.Namespace, database: sa.Engine, secret: bytes | None) -> None:
+    from gateway.store import lineages
+    from gateway.store.api_keys import check_tenant_name
+    from gateway.store.errors import InvalidInput
+
+    try:
+        tenant = check_tenant_name(args.tenant)
+    except ValueError as exc:
+        raise InvalidInput(str(exc), param="tenant") from None
+    own = args.which == "own"
+    before = lineages.set_own_policy(database, tenant, own)
+    if own and not before:
+        print(
+            f"tenant {tenant} has a policy of its own: the trainer starts it from the shared policy's weights and "
+            "trains it on this tenant's traffic only; its keys are served it once its first version is published"
+        )
+    elif own:
+        print(f"tenant {tenant} already has a policy of its own")
+    else:
+        print(f"tenant {tenant} is served the shared policy{' again' if before else ''}; its traffic trains it")
 
 
 def _revoke(args: argparse.Namespace, database: sa.Engine, secret: bytes | None) -> None:

@@ -24,6 +24,12 @@ older or newer, serves it to all traffic and stays on it until it is unpinned.
 Guarded promotion (``gateway/promotion``): "the newest" is the *incumbent*, the newest version promoted. During a
 canary the follower also loads the candidate and routes a share of new conversations to it
 (``promotion/routing.py``); its promoter takes the stage decisions at each poll.
+
+Lineages (``gateway/store/lineages.py``): a tenant with a policy of its own has its own versions, pin and canary.
+The shared lineage's follower (the one ``run`` loops) keeps one more follower per such tenant and syncs them at each
+of its polls; each routes only its tenant's calls (``ChatService.lineage_routing``), and until the tenant's first
+version serves, the tenant gets the shared policy. A vLLM server with too few ``--max-loras`` for every lineage's
+adapters side by side is not given another lineage: the tenant stays on the shared policy and the gateway says why.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import asyncio
 import datetime as dt
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -45,8 +52,9 @@ from gateway.metrics import Metrics
 from gateway.promotion.promoter import Promoter
 from gateway.promotion.routing import Arm, Routed, Routing
 from gateway.settings import Settings
-from gateway.store import adapter_leases, policy_versions, promotion
+from gateway.store import adapter_leases, lineages, policy_versions, promotion
 from gateway.store.models import PolicyVersion
+from gateway.store.policy_versions import SHARED
 
 log = logging.getLogger("clawgate.policy")
 # While the database (or the engine) is unreachable the follower looks less and less often, up to this (seconds).
@@ -68,8 +76,13 @@ class PolicyFollower:
         probe_ids: list[int],
         gateway_id: str | None = None,
         promoter: Promoter | None = None,
+        lineage: str = SHARED,
     ) -> None:
         self.settings = settings
+        self.lineage = lineage
+        self.primary = lineage == SHARED  # the shared lineage's follower: it sets the gauges and runs the others
+        self.lineages: dict[str, PolicyFollower] = {}  # tenant -> its lineage's follower (primary only)
+        self.refused: dict[str, str] = {}  # tenant -> why its own policy is not served here
         self.engine = engine
         self.service = service
         self.db = db
@@ -111,9 +124,9 @@ class PolicyFollower:
         incumbent served afterwards (None: the base model)."""
         async with self._lock:
             await self._ensure_current_loaded()
-            state = await asyncio.to_thread(promotion.read_state, self.db)
+            state = await asyncio.to_thread(promotion.read_state, self.db, self.lineage)
             if self.promoter is not None and await asyncio.to_thread(self.promoter.step, state):
-                state = await asyncio.to_thread(promotion.read_state, self.db)
+                state = await asyncio.to_thread(promotion.read_state, self.db, self.lineage)
             self.state = state
             self.pinned = state.pinned
             if state.pinned is not None:
@@ -127,7 +140,53 @@ class PolicyFollower:
                 await self._swap_to(row)
             await self._route(state)
             await self._retire()
+            if self.primary:
+                await self._sync_lineages()
             return self.current
+
+    async def _sync_lineages(self) -> None:
+        """Open a follower for each tenant that has a policy of its own (room permitting), close those that no
+        longer have one, and sync each (one lineage's failure does not stop the others)."""
+        wanted = set(await asyncio.to_thread(lineages.own_policies, self.db))
+        for tenant in [t for t in self.lineages if t not in wanted]:
+            del self.lineages[tenant]
+            self.service.use_lineage_routing(tenant, None)  # back on the shared policy
+            log.info("tenant %s has no policy of its own any more: it is served the shared policy", tenant)
+        for tenant in sorted(wanted - set(self.lineages)):
+            reason = self._no_room_for(len(self.lineages) + 2)
+            if reason is not None:
+                if self.refused.get(tenant) != reason:
+                    log.error(
+                        "tenant %s's own policy is not served: %s; it is served the shared policy", tenant, reason
+                    )
+                self.refused[tenant] = reason
+                continue
+            self.refused.pop(tenant, None)
+            self.lineages[tenant] = PolicyFollower(
+                self.settings,
+                self.engine,
+                LineageRoute(self.service, tenant),
+                self.db,
+                self.metrics,
+                self.probe_ids,
+                gateway_id=self.gateway_id,
+                promoter=Promoter(self.settings, self.db, self.gateway_id) if self.promoter is not None else None,
+                lineage=tenant,
+            )
+        for tenant, follower in list(self.lineages.items()):
+            try:
+                await follower.sync()
+            except Exception as exc:
+                log.warning("tenant %s's policy: %s", tenant, describe(exc))
+
+    def _no_room_for(self, lineages_served: int) -> str | None:
+        """Why the engine cannot serve ``lineages_served`` lineages' adapters side by side (None: it can)."""
+        reported = [n for n in getattr(self.engine, "max_loras", {}).values() if n is not None]
+        per_lineage = 2 if self.state.mode == promotion.GUARDED else 1  # the incumbent, and a canary's candidate
+        needed = lineages_served * per_lineage
+        if reported and min(reported) < needed:
+            return f"vLLM's --max-loras is {min(reported)}, below the {needed} adapters served side by side"
+        return None
 
     async def _route(self, state: promotion.State) -> None:
         """Route new conversations: all to the incumbent, or during a canary a share to the candidate (loaded and
@@ -157,8 +216,9 @@ class PolicyFollower:
         if routing != self.service.routing:
             self.service.use_routing(routing)
             self.candidate = candidate.version if candidate is not None else None
-            self.metrics.canary_version.set(-1 if self.candidate is None else self.candidate)
-            self.metrics.canary_share.set(routing.share if candidate is not None else 0.0)
+            if self.primary:
+                self.metrics.canary_version.set(-1 if self.candidate is None else self.candidate)
+                self.metrics.canary_share.set(routing.share if candidate is not None else 0.0)
 
     async def _load(self, row: PolicyVersion) -> bool:
         """Load and verify a canary's (or an evaluated version's) adapter once; False, and the version rejected,
@@ -236,12 +296,14 @@ class PolicyFollower:
         self.current = version
         self.last_swap_seconds = time.perf_counter() - t0
         published = row.created_at.timestamp()
-        self.metrics.policy_version.set(version)
+        if self.primary:
+            self.metrics.policy_version.set(version)
         self.metrics.policy_swaps.inc()
         self.metrics.policy_swap_seconds.observe(max(time.time() - published, 0.0))
         log.info(
-            "serving %s (was %s): loaded and verified in %.2fs, %.2fs after it was published",
+            "serving %s%s (was %s): loaded and verified in %.2fs, %.2fs after it was published",
             name,
+            "" if self.primary else f" to tenant {self.lineage}",
             previous or "the base model",
             time.perf_counter() - t0,
             time.time() - published,
@@ -281,6 +343,41 @@ class PolicyFollower:
             del self.loaded[version]
             await asyncio.to_thread(policy_versions.mark_retired, self.db, version)
             log.info("unloaded %s", name)
+
+
+class LineageRoute:
+    """A tenant lineage's view of the request core, for its follower (``Routed``): its routing is the tenant's
+    entry in ``ChatService.lineage_routing`` (absent until its first version serves: the shared policy then)."""
+
+    def __init__(self, service: Routed, tenant: str) -> None:
+        self._service = service
+        self.tenant = tenant
+
+    @property
+    def routing(self) -> Routing:
+        return self._service.lineage_routing.get(self.tenant) or Routing()
+
+    @property
+    def adapter_in_flight(self) -> Counter[str]:
+        return self._service.adapter_in_flight
+
+    @property
+    def adapter(self) -> str | None:
+        return self.routing.incumbent.adapter
+
+    @property
+    def policy_version(self) -> int | None:
+        return self.routing.incumbent.version
+
+    def use_routing(self, routing: Routing) -> None:
+        self._service.use_lineage_routing(self.tenant, routing if routing.incumbent.version is not None else None)
+
+    def use_lineage_routing(self, tenant: str, routing: Routing | None) -> None:
+        self._service.use_lineage_routing(tenant, routing)
+
+    @property
+    def lineage_routing(self) -> dict[str, Routing]:
+        return self._service.lineage_routing
 
 
 async def apply_change(

@@ -6,6 +6,9 @@
     clawgate policy pin V | unpin         serve V everywhere until unpinned
     clawgate policy rollback V            serve V now and have the trainer go on from it
 
+``--tenant NAME`` acts on that tenant's own policy (``clawgate keys policy --tenant NAME own``) instead of the
+shared one: its pin, rollback and candidates are its own.
+
 Everything is written to the database; every gateway acts on it at its next policy poll.
 """
 
@@ -29,6 +32,9 @@ def register(sub: Any) -> None:
     policy.add_argument("action", choices=ACTIONS)
     policy.add_argument("version", nargs="?", type=int, help="the version to pin, roll back to, promote or reject")
     policy.add_argument("--json", action="store_true", help="`list` and `status` as JSON")
+    policy.add_argument(
+        "--tenant", metavar="NAME", help="pin, unpin, roll back, promote or reject in this tenant's own policy"
+    )
     policy.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
     policy.set_defaults(func=cmd_policy)
 
@@ -43,23 +49,27 @@ def cmd_policy(args: argparse.Namespace) -> int:
     if args.action in ("unpin", "list", "status") and args.version is not None:
         print(f"error: `clawgate policy {args.action}` takes no VERSION", file=sys.stderr)
         return 2
+    if args.tenant is not None and args.action in ("list", "status"):
+        print("error: --tenant applies to pin, unpin, rollback, promote and reject", file=sys.stderr)
+        return 2
+    lineage = args.tenant or ""
     settings = Settings()
     database = db.connect(args.database_url or settings.database_url)
     try:
         if args.action == "pin":
-            policy_control.pin(database, args.version)
+            policy_control.pin(database, args.version, lineage)
             print(f"pinned policy@v{args.version}: every gateway serves it until `clawgate policy unpin`")
         elif args.action == "unpin":
-            policy_control.unpin(database)
+            policy_control.unpin(database, lineage)
             print("unpinned: every gateway serves the incumbent (and a running canary) again")
         elif args.action == "rollback":
-            policy_control.request_rollback(database, args.version)
+            policy_control.request_rollback(database, args.version, lineage)
             print(
                 f"rolling back to policy@v{args.version}: served now (pinned); the trainer republishes it as the next "
                 "version, releases the pin and trains on from it"
             )
         elif args.action in ("promote", "reject"):
-            version = promotion.decide_by_operator(database, args.action, args.version)
+            version = promotion.decide_by_operator(database, args.action, args.version, lineage=lineage)
             done = "promoted: it serves all new conversations" if args.action == "promote" else "rejected"
             print(f"policy@v{version} {done}")
         elif args.action == "status":

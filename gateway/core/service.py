@@ -127,6 +127,8 @@ class ChatService:
         self.structured = Structured(self.parser_cls, tokenizer, metrics)
         # Which version serves a call (gateway/promotion/routing.py): the incumbent, and a canary's candidate.
         self.routing = Routing(Arm(adapter, policy_version))
+        # Tenants with a policy of their own whose lineage serves a version here: their calls route by this instead.
+        self.lineage_routing: dict[str, Routing] = {}
         # Calls running per adapter: a version is unloaded only once none of this gateway's calls use it.
         self.adapter_in_flight: Counter[str] = Counter()
         self.db = db
@@ -160,6 +162,15 @@ class ChatService:
     def use_routing(self, routing: Routing) -> None:
         """Serve new calls as ``routing`` says (one assignment: a call sees the old routing or the new one)."""
         self.routing = routing
+
+    def use_lineage_routing(self, tenant: str, routing: Routing | None) -> None:
+        """Serve ``tenant``'s new calls as ``routing`` says (None: the shared policy's routing), in one assignment."""
+        routes = dict(self.lineage_routing)
+        if routing is None:
+            routes.pop(tenant, None)
+        else:
+            routes[tenant] = routing
+        self.lineage_routing = routes
 
     def close_rollouts(self, rollout_ids: Iterable[str]) -> None:
         """Rollouts the gateway closed: a conversation that resumes one starts a new rollout instead."""
@@ -258,9 +269,11 @@ class ChatService:
     def _arm(self, job: ChatJob, rollout_id: str, parent: CallEntry | None) -> Arm:
         """The version that serves this call: the one its rollout is pinned to, else as routing assigns it."""
         pinned = job.rollout.policy_version
+        routing = self.lineage_routing.get(job.rollout.tenant, self.routing)
         if pinned is None:
-            return self.routing.arm_for(rollout_id, parent.policy_version if parent else None, parent is not None)
-        arm = self.routing.arm_of(pinned)
+            return routing.arm_for(rollout_id, parent.policy_version if parent else None, parent is not None)
+        # A rollout may be pinned to a version of its tenant's lineage or of the shared one, never another tenant's.
+        arm = routing.arm_of(pinned) or self.routing.arm_of(pinned)
         if arm is None:
             raise EngineUnavailable(
                 f"policy@v{pinned}, which rollout {rollout_id!r} is pinned to, is not served by this gateway now "

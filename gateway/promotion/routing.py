@@ -91,8 +91,16 @@ class Routed(Protocol):
     """What the policy follower (``gateway/policy.py``) reads and changes on the request core
     (``gateway.core.service.ChatService``): the routing of new calls, and the calls running per adapter."""
 
-    routing: Routing
-    adapter_in_flight: Counter[str]
+    @property
+    def routing(self) -> Routing: ...
+
+    @property
+    def adapter_in_flight(self) -> Counter[str]: ...
+
+    @property
+    def lineage_routing(self) -> dict[str, Routing]:
+        """Tenants with a policy of their own: their routing."""
+        ...
 
     @property
     def adapter(self) -> str | None: ...
@@ -101,3 +109,5 @@ class Routed(Protocol):
     def policy_version(self) -> int | None: ...
 
     def use_routing(self, routing: Routing) -> None: ...
+
+    def use_lineage_routing(self, tenant: str, routing: Routing | None) -> None: ...

@@ -1,0 +1,137 @@
+"""A policy per tenant: ``acme`` gets a lineage of its own, trained only on acme's turns and served only to acme's
+keys; ``beta`` and the environment's keys (the default tenant) share the shared lineage. One trainer takes the
+lineages in turn. What each version was trained on is read back from ``trained_turns`` (the step's recorded batch
+contents), what served each call from the calls' own records.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from gateway.store import lineages, policy_versions
+from gateway.store.db import connect
+from gateway.store.models import Call, PolicyVersion, Rollout, TrainedTurn
+from gateway.store.policy_versions import SHARED
+from tests.test_tenants import ADMIN, CLIENT, SECRET, bearer, new_key
+from trainer import loop
+from trainer.config import TrainConfig, Trigger
+from trainer.step import Trainer
+
+
+def chat(gw: Any, key: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 1.0}
+    r = httpx.post(f"{gw.v1}/chat/completions", json=body, headers=bearer(key), timeout=60)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    message["content"] = message.get("content") or ""
+    return {"call": r.headers["x-clawgate-call-id"], "msg": message}
+
+
+def conversation(gw: Any, key: str, i: int) -> str:
+    """Two turns; the first (which has its next state) is returned, rewarded ``i`` by the admin."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": f"Question {i}?"}]
+    first = chat(gw, key, messages)
+    chat(gw, key, [*messages, first["msg"], {"role": "user", "content": f"Follow-up {i}."}])
+    r = httpx.post(f"{gw.v1}/feedback", json={"call_id": first["call"], "value": float(i)}, headers=bearer(ADMIN))
+    assert r.status_code == 201, r.text
+    return str(first["call"])
+
+
+def served_version(url: str, call_id: str) -> int | None:
+    db = connect(url)
+    try:
+        with Session(db) as session:
+            return session.scalar(sa.select(Call.policy_version).where(Call.id == call_id))
+    finally:
+        db.dispose()
+
+
+def wait_served(gw: Any, key: str, version: int, deadline: float = 30.0) -> str:
+    """A new conversation's first call with ``key`` once ``version`` serves it (the follower polls)."""
+    end = time.monotonic() + deadline
+    while True:
+        call = chat(gw, key, [{"role": "user", "content": "Which policy?"}])["call"]
+        if served_version(gw.settings.database_url, call) == version:
+            return str(call)
+        assert time.monotonic() < end, f"policy@v{version} was not served to this key within {deadline}s"
+        time.sleep(0.2)
+
+
+def test_a_tenant_lineage_trains_on_and_serves_only_its_own_tenant(
+    gateway_factory, tiny_model_dir, tmp_path, capsys, monkeypatch
+):
+    from clawgate.cli import main
+
+    gw = gateway_factory(admin_key=ADMIN, api_keys=CLIENT, key_secret=SECRET, policy_poll_interval=0.2)
+    url = gw.settings.database_url
+    acme = new_key(gw, ADMIN, tenant="acme", role="user")["key"]
+    beta = new_key(gw, ADMIN, tenant="beta", role="user")["key"]
+    monkeypatch.setenv("CLAWGATE_KEY_SECRET", SECRET)
+    assert main(["keys", "policy", "--tenant", "acme", "own", "--database-url", url]) == 0
+    assert "a policy of its own" in capsys.readouterr().out
+    assert main(["keys", "policy", "--tenant", "Not A Name", "own", "--database-url", url]) == 2
+    assert "invalid tenant name" in capsys.readouterr().err
+
+    acme_turns = {conversation(gw, acme, i) for i in range(3)}
+    beta_turns = {conversation(gw, beta, i) for i in range(3)}
+    db = connect(url)
+    try:
+        config = TrainConfig(
+            model=str(tiny_model_dir),
+            database_url=url,
+            adapter_dir=tmp_path / "adapters",
+            lr=1e-2,
+            max_staleness=8,
+            group_wait=0.0,
+            trigger=Trigger(min_turns=3, interval=0.1, max_steps=2),
+        )
+        trainer = Trainer(config, db)  # publishes v0, the shared lineage's first version
+        steps = loop.run(trainer, stop=threading.Event())
+        assert steps == 2
+        with Session(db) as session:
+            rows = {v.version: v for v in session.scalars(sa.select(PolicyVersion))}
+            batches: dict[int, set[str]] = {}
+            for turn in session.scalars(sa.select(TrainedTurn)):
+                batches.setdefault(turn.version, set()).add(turn.call_id)
+            tenants = dict(session.execute(sa.select(Call.id, Rollout.tenant).join(Rollout)).all())
+        # In turn: the shared lineage first (beta's turns), then acme's, from the shared policy's weights then.
+        assert [(v, rows[v].lineage) for v in sorted(rows)] == [(0, SHARED), (1, SHARED), (2, "acme")]
+        assert rows[2].parent_version == 1 and rows[2].adapter_name == "policy@v2"
+        assert batches[1] == beta_turns and batches[2] == acme_turns
+        assert {tenants[c] for c in batches[2]} == {"acme"}, "only acme's traffic trains acme's policy"
+        assert "acme" not in {tenants[c] for c in batches[1]}, "acme's traffic never trains the shared policy"
+        assert policy_versions.lineage_versions(db, "acme") == [2]
+
+        # Served: acme's keys get v2, beta's and the environment's keys the shared v1, never acme's.
+        wait_served(gw, acme, 2)
+        wait_served(gw, beta, 1)
+        for key in (beta, CLIENT):
+            for _ in range(3):
+                call = chat(gw, key, [{"role": "user", "content": "And now?"}])["call"]
+                assert served_version(url, call) == 1
+
+        # A pin holds one lineage only: pinning acme to its v2 leaves the shared lineage free, and a shared version
+        # cannot be pinned for acme.
+        assert main(["policy", "pin", "1", "--tenant", "acme", "--database-url", url]) == 2
+        assert "not a version of tenant acme's policy" in capsys.readouterr().err
+
+        # Back on the shared policy: acme's new conversations are served v1 again.
+        assert main(["keys", "policy", "--tenant", "acme", "shared", "--database-url", url]) == 0
+        assert "shared policy again" in capsys.readouterr().out
+        assert lineages.own_policies(db) == []
+        wait_served(gw, acme, 1)
+    finally:
+        db.dispose()
+
+
+def test_lineages_take_turns():
+    assert loop.in_turn(["", "acme", "beta"], None) == ["", "acme", "beta"]
+    assert loop.in_turn(["", "acme", "beta"], "") == ["acme", "beta", ""]
+    assert loop.in_turn(["", "acme", "beta"], "beta") == ["", "acme", "beta"]
+    assert loop.in_turn(["", "beta"], "acme") == ["", "beta"], "a lineage gone since: start from the first"
