@@ -77,10 +77,13 @@ class PolicyFollower:
         gateway_id: str | None = None,
         promoter: Promoter | None = None,
         lineage: str = SHARED,
+        base: Callable[[], Arm] | None = None,
     ) -> None:
         self.settings = settings
         self.lineage = lineage
         self.primary = lineage == SHARED  # the shared lineage's follower: it sets the gauges and runs the others
+        # A tenant lineage's: what serves the tenant while the lineage has no version of its own (the shared one).
+        self.base = base
         self.lineages: dict[str, PolicyFollower] = {}  # tenant -> its lineage's follower (primary only)
         self.refused: dict[str, str] = {}  # tenant -> why its own policy is not served here
         self.engine = engine
@@ -172,6 +175,7 @@ class PolicyFollower:
                 gateway_id=self.gateway_id,
                 promoter=Promoter(self.settings, self.db, self.gateway_id) if self.promoter is not None else None,
                 lineage=tenant,
+                base=lambda: self.service.routing.incumbent,
             )
         for tenant, follower in list(self.lineages.items()):
             try:
@@ -193,6 +197,8 @@ class PolicyFollower:
         verified first; one that cannot be served is rejected with the reason, and the incumbent serves on). A
         version being evaluated is loaded the same way and serves only the rollouts pinned to it."""
         incumbent = Arm(self.service.adapter, self.service.policy_version)
+        if self.current is None and self.base is not None:
+            incumbent = self.base()  # a tenant lineage with no version serving yet: the shared incumbent
         canary = state.canary if state.pinned is None else None
         candidate: Arm | None = None
         if canary is not None and canary.version not in self.failed and await self._load(canary):
@@ -204,7 +210,9 @@ class PolicyFollower:
             if evaluated.version not in self.failed and await self._load(evaluated):
                 live.add(evaluated.version)
                 self.evaluated = evaluated.version
-        if state.pinned is not None:
+        if self.current is None and self.base is not None and candidate is None and self.evaluated is None:
+            routing = Routing()  # nothing of the tenant's own to serve: it follows the shared routing whole
+        elif state.pinned is not None:
             routing = Routing(incumbent)
         else:
             kept = {v: Arm(name, v) for v, name in self.loaded.items() if v in live}

@@ -130,6 +130,103 @@ def test_a_tenant_lineage_trains_on_and_serves_only_its_own_tenant(
         db.dispose()
 
 
+def test_a_tenant_s_first_version_earns_its_tenant_s_traffic_against_the_shared_incumbent(
+    gateway_factory, tiny_model_dir, tmp_path, capsys, monkeypatch
+):
+    """Guarded promotion per lineage: acme's first version is a candidate compared with the shared incumbent, on
+    acme's traffic only; the shared lineage's own candidate is another canary, decided apart."""
+    import datetime as dt
+
+    from clawgate.cli import main
+    from gateway.store import promotion
+
+    gw = gateway_factory(
+        admin_key=ADMIN,
+        api_keys=CLIENT,
+        key_secret=SECRET,
+        policy_poll_interval=0.2,
+        promotion="guarded",
+        canary_share=1.0,
+        canary_check_interval=0.2,
+    )
+    url = gw.settings.database_url
+    acme = new_key(gw, ADMIN, tenant="acme", role="user")["key"]
+    beta = new_key(gw, ADMIN, tenant="beta", role="user")["key"]
+    monkeypatch.setenv("CLAWGATE_KEY_SECRET", SECRET)
+    assert main(["keys", "policy", "--tenant", "acme", "own", "--database-url", url]) == 0
+    db = connect(url)
+    try:
+        config = TrainConfig(
+            model=str(tiny_model_dir),
+            database_url=url,
+            adapter_dir=tmp_path / "adapters",
+            lr=1e-2,
+            group_wait=0.0,
+            trigger=Trigger(min_turns=3, interval=0.1, max_steps=2),
+        )
+        trainer = Trainer(config, db)  # v0: the first version, promoted
+        wait_served(gw, beta, 0)
+        for i in range(3):
+            conversation(gw, acme, i)
+            conversation(gw, beta, i)
+        # The shared candidate (v1) blocks only the shared lineage: acme's lineage steps beside it.
+        assert loop.run(trainer, stop=threading.Event()) == 2
+        assert policy_versions.stage_of(db, 2) in ("candidate", "canary")
+        assert policy_versions.lineage_versions(db, "acme") == [2]
+        state = promotion.read_state(db, "acme")
+        assert state.incumbent is None and state.base is not None and state.base.version == 0
+        # The evidence of acme's canary counts acme's calls only, on both arms.
+        long_ago = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
+        assert len(promotion.evidence(db, 2, 0, long_ago, tenant="acme").errors[1]) == 6  # its two-turn conversations
+        assert len(promotion.evidence(db, 2, 0, long_ago).errors[1]) == 13  # and beta's, with its probe
+
+        # Acme's new conversations go to its canary (share 1.0 here); beta's never do.
+        wait_served(gw, acme, 2)
+        assert promotion.read_state(db, "acme").canary is not None
+        for _ in range(3):
+            call = chat(gw, beta, [{"role": "user", "content": "Beta again."}])["call"]
+            assert served_version(url, call) in (0, 1)
+        # The trainer waits for acme's candidate too, and an operator decides it in its own lineage.
+        assert loop.promotion_gate(trainer, lineage="acme") == (False, "waiting: policy@v2 is in its canary")
+        assert main(["policy", "promote", "--tenant", "acme", "--database-url", url]) == 0
+        assert "policy@v2 promoted" in capsys.readouterr().out
+        assert promotion.read_state(db, "acme").incumbent.version == 2
+        assert policy_versions.stage_of(db, 1) in ("candidate", "canary"), "the shared canary is another decision"
+        assert loop.promotion_gate(trainer, lineage="acme") == (True, "")
+        assert main(["policy", "promote", "--tenant", "beta", "--database-url", url]) == 2
+        assert "no version is being evaluated" in capsys.readouterr().err
+    finally:
+        db.dispose()
+
+
+def test_a_lineage_beyond_the_engine_s_lora_slots_is_not_served(gateway_factory, tiny_model_dir, tmp_path, caplog):
+    """Two tenants with their own policy on an engine that batches two adapters: the shared lineage and acme fit,
+    beta is refused with the reason and served the shared policy."""
+    gw = gateway_factory(admin_key=ADMIN, api_keys=CLIENT, key_secret=SECRET, policy_poll_interval=0.2)
+    url = gw.settings.database_url
+    gw.state.engine.max_loras = {"http://replica-1": 2}  # what a vLLM started with --max-loras 2 reports
+    db = connect(url)
+    try:
+        lineages.set_own_policy(db, "acme", True)
+        lineages.set_own_policy(db, "beta", True)
+        end = time.monotonic() + 30
+        follower = gw.state.policy
+        while "beta" not in follower.refused:
+            assert time.monotonic() < end, "the follower did not look at the lineages"
+            time.sleep(0.1)
+        assert set(follower.lineages) == {"acme"}
+        assert follower.refused["beta"] == "vLLM's --max-loras is 2, below the 3 adapters served side by side"
+        assert "tenant beta's own policy is not served" in caplog.text
+        # More slots (a restarted server): beta is opened at the next poll.
+        gw.state.engine.max_loras = {"http://replica-1": 4}
+        while "beta" not in follower.lineages:
+            assert time.monotonic() < end, "beta's lineage was not opened once there was room"
+            time.sleep(0.1)
+        assert follower.refused == {}
+    finally:
+        db.dispose()
+
+
 def test_lineages_take_turns():
     assert loop.in_turn(["", "acme", "beta"], None) == ["", "acme", "beta"]
     assert loop.in_turn(["", "acme", "beta"], "") == ["acme", "beta", ""]

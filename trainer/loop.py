@@ -90,8 +90,7 @@ def promotion_gate(trainer: Trainer, gate: EvalGate | None = None, lineage: str 
         return True, ""  # a lineage not opened yet, or forked from the shared policy with nothing of its own yet
     stage = policy_versions.stage_of(trainer.db, parent)
     if stage == "evaluating" and state.pinned is None:
-        incumbent = state.incumbent.version if state.incumbent is not None else None
-        stage = eval_gate.decide(trainer.db, gate, parent, incumbent)
+        stage = eval_gate.decide(trainer.db, gate, parent, state.compared_with())
     if stage == "rejected":
         back = state.incumbent.version if state.incumbent is not None else None
         back = back or policy_versions.newest_not_rejected(trainer.db, lineage)

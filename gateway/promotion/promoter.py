@@ -25,6 +25,7 @@ from gateway.promotion.stats import ArmStats, Rule, Verdict, decide
 from gateway.settings import Settings
 from gateway.store import promotion
 from gateway.store.models import PolicyVersion
+from gateway.store.policy_versions import SHARED
 from gateway.store.promotion import State
 
 log = logging.getLogger("clawgate.promotion")
@@ -100,7 +101,8 @@ class Promoter:
     def look(self, state: State) -> Verdict:
         """The verdict on the running canary now (no decision is written)."""
         assert state.canary is not None
-        verdict, _ = look_at(self.db, state.canary, _version(state), self.rule)
+        tenant = None if state.lineage == SHARED else state.lineage
+        verdict, _ = look_at(self.db, state.canary, _version(state), self.rule, tenant)
         self.last, self.last_version = verdict, state.canary.version
         if self.metrics is not None:
             for arm in ("candidate", "incumbent"):
@@ -145,11 +147,11 @@ class Promoter:
 
 
 def look_at(
-    db: sa.Engine, canary: PolicyVersion, incumbent: int | None, rule: Rule
+    db: sa.Engine, canary: PolicyVersion, incumbent: int | None, rule: Rule, tenant: str | None = None
 ) -> tuple[Verdict, promotion.Evidence]:
-    """The evidence of a running canary since it began, and the test's verdict on it."""
+    """The evidence of a running canary since it began (``tenant``: on its traffic only), and the test's verdict."""
     since = canary.stage_at or canary.created_at
-    ev = promotion.evidence(db, canary.version, incumbent, since)
+    ev = promotion.evidence(db, canary.version, incumbent, since, tenant)
     elapsed = (dt.datetime.now(dt.UTC) - since).total_seconds()
     verdict = decide(
         (ArmStats.of(ev.rewards[0]), ArmStats.of(ev.rewards[1])),
@@ -161,7 +163,7 @@ def look_at(
 
 
 def _version(state: State) -> int | None:
-    return state.incumbent.version if state.incumbent is not None else None
+    return state.compared_with()
 
 
 __all__ = ["Promoter", "look_at", "rule_of"]

@@ -57,9 +57,14 @@ def initial_stage(session: Session, *, rolled_back_from: int | None, gated: bool
     are an earlier version's (a rollback); promoted otherwise."""
     if mode_in(session) != GUARDED or rolled_back_from is not None:
         return "promoted"
-    if not policy_versions.any_promoted(session, lineage):
-        return "promoted"
-    return "evaluating" if gated else "candidate"
+    undecided = "evaluating" if gated else "candidate"
+    if policy_versions.any_promoted(session, lineage):
+        return undecided
+    # A first version has nothing to compare with, unless it is a tenant's first of its own: that one is compared
+    # with the shared incumbent, which serves the tenant meanwhile.
+    if lineage != SHARED and policy_versions.any_promoted(session, SHARED):
+        return undecided
+    return "promoted"
 
 
 def record_published(
@@ -98,6 +103,15 @@ class State:
     candidates: list[PolicyVersion] = field(default_factory=list)  # published, not yet in a canary, oldest first
     evaluating: list[PolicyVersion] = field(default_factory=list)  # before the evaluation gate, oldest first
     promoted: list[int] = field(default_factory=list)  # every promoted version, newest first
+    # A tenant lineage with no incumbent of its own: the shared incumbent, which serves the tenant meanwhile and
+    # which its first candidate is compared with (on the tenant's traffic only).
+    base: PolicyVersion | None = None
+    lineage: str = SHARED
+
+    def compared_with(self) -> int | None:
+        """The version a canary is compared with: the incumbent, else the shared one serving the tenant."""
+        arm = self.incumbent or self.base
+        return arm.version if arm is not None else None
 
     def undecided(self) -> PolicyVersion | None:
         """The version the operator looks at: the canary, else the newest candidate, else the newest evaluated."""
@@ -110,7 +124,10 @@ def read_state(db: sa.Engine, lineage: str = SHARED) -> State:
         mode = mode_in(session)
         control = policy_control.find(session, lineage)
         rows = policy_versions.in_stages(session, (*UNDECIDED, "promoted"), lineage)
-    state = State(mode=mode, pinned=control.pinned_version if control is not None else None)
+        base = None
+        if lineage != SHARED and not any(row.stage == "promoted" for row in rows):
+            base = next(iter(policy_versions.in_stages(session, ("promoted",), SHARED)), None)
+    state = State(mode=mode, pinned=control.pinned_version if control is not None else None, base=base, lineage=lineage)
     for row in rows:
         if row.stage == "promoted":
             state.promoted.append(row.version)
@@ -175,7 +192,7 @@ def decide_by_operator(
             f"policy@v{version} is not being evaluated, a candidate or in a canary (undecided: {sorted(undecided)})"
         )
     to = "promoted" if outcome == "promote" else "rejected"
-    incumbent = state.incumbent.version if state.incumbent else None
+    incumbent = state.compared_with()
     if not move(db, version, expect=UNDECIDED, to=to, reason="operator", decided_by=who, incumbent=incumbent):
         raise NotDecidable(f"policy@v{version} was decided meanwhile")
     return version
@@ -190,9 +207,12 @@ class Evidence:
     errors: tuple[list[float], list[float]] = field(default_factory=lambda: ([], []))
 
 
-def evidence(db: sa.Engine, candidate: int, incumbent: int | None, since: dt.datetime) -> Evidence:
-    """What each arm earned since the canary began. Cancelled calls (the client went away) are neither; rollouts
-    pinned to a version (evaluations, not a share of traffic) are left out."""
+def evidence(
+    db: sa.Engine, candidate: int, incumbent: int | None, since: dt.datetime, tenant: str | None = None
+) -> Evidence:
+    """What each arm earned since the canary began (``tenant``: on that tenant's traffic only, for a tenant lineage
+    whose candidate is compared with the shared incumbent). Cancelled calls (the client went away) are neither;
+    rollouts pinned to a version (evaluations, not a share of traffic) are left out."""
     arms = {candidate: 0} if incumbent is None else {candidate: 0, incumbent: 1}
     out = Evidence()
     with Session(db) as session:
@@ -204,6 +224,7 @@ def evidence(db: sa.Engine, candidate: int, incumbent: int | None, since: dt.dat
                 Call.started_at >= since,
                 Call.status.in_(("ok", "failed")),
                 Rollout.policy_version.is_(None),
+                *(() if tenant is None else (Rollout.tenant == tenant,)),
             )
         ).all()
         turn_arm: dict[str, int] = {}
