@@ -52,7 +52,7 @@ from gateway.metrics import Metrics
 from gateway.promotion.promoter import Promoter
 from gateway.promotion.routing import Arm, Routed, Routing
 from gateway.settings import Settings
-from gateway.store import adapter_leases, lineages, policy_versions, promotion
+from gateway.store import adapter_leases, api_keys, lineages, policy_versions, promotion
 from gateway.store.models import PolicyVersion
 from gateway.store.policy_versions import SHARED
 
@@ -386,6 +386,17 @@ class LineageRoute:
     @property
     def lineage_routing(self) -> dict[str, Routing]:
         return self._service.lineage_routing
+
+
+def lineage_for(db: sa.Engine, tenant: str | None, version: int | None) -> str:
+    """The lineage an operator's change acts on: the named tenant's own policy, else the lineage of the version
+    named (pinning or deciding a tenant's version needs no tenant), else the shared one. ValueError for a name
+    that cannot be a tenant's."""
+    if tenant:
+        return api_keys.check_tenant_name(tenant)
+    if version is not None:
+        return policy_versions.lineage_of_version(db, version) or SHARED
+    return SHARED
 
 
 async def apply_change(

@@ -7,7 +7,7 @@
     clawgate policy rollback V            serve V now and have the trainer go on from it
 
 ``--tenant NAME`` acts on that tenant's own policy (``clawgate keys policy --tenant NAME own``) instead of the
-shared one: its pin, rollback and candidates are its own.
+shared one: its pin, rollback and candidates are its own. A VERSION names its lineage by itself.
 
 Everything is written to the database; every gateway acts on it at its next policy poll.
 """
@@ -40,6 +40,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
+    from gateway.policy import lineage_for
     from gateway.settings import Settings
     from gateway.store import db, policy_control, promotion
 
@@ -52,10 +53,10 @@ def cmd_policy(args: argparse.Namespace) -> int:
     if args.tenant is not None and args.action in ("list", "status"):
         print("error: --tenant applies to pin, unpin, rollback, promote and reject", file=sys.stderr)
         return 2
-    lineage = args.tenant or ""
     settings = Settings()
     database = db.connect(args.database_url or settings.database_url)
     try:
+        lineage = lineage_for(database, args.tenant, args.version)
         if args.action == "pin":
             policy_control.pin(database, args.version, lineage)
             print(f"pinned policy@v{args.version}: every gateway serves it until `clawgate policy unpin`")
@@ -76,7 +77,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
             print_status(database, settings, as_json=args.json)
         else:
             print_versions(database, as_json=args.json)
-    except (policy_control.UnknownVersion, promotion.NotDecidable) as exc:
+    except (policy_control.UnknownVersion, promotion.NotDecidable, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
@@ -120,6 +121,7 @@ def print_versions(database: sa.Engine, *, as_json: bool) -> None:
     from gateway.store import console, policy_control
 
     control = policy_control.read(database)
+    pins = policy_control.pins(database)
     versions = console.versions(database)
     if as_json:
         for v in versions:
@@ -129,7 +131,8 @@ def print_versions(database: sa.Engine, *, as_json: bool) -> None:
                 "status": v.status,
                 "stage": v.stage,
                 "current": v.is_current,
-                "pinned": v.version == control.pinned_version,
+                "lineage": v.lineage,
+                "pinned": pins.get(v.lineage) == v.version,
                 "parent_version": v.parent_version,
                 "rolled_back_from": v.rolled_back_from,
                 "created_at": v.created_at.isoformat(),
@@ -138,9 +141,12 @@ def print_versions(database: sa.Engine, *, as_json: bool) -> None:
             }
             print(json.dumps(row))
         return
-    print(f"{'version':<16}{'status':<11}{'stage':<12}{'from':<10}{'turn reward':>12}{'rollout reward':>16}  published")
+    print(
+        f"{'version':<16}{'lineage':<14}{'status':<11}{'stage':<12}{'from':<10}{'turn reward':>12}"
+        f"{'rollout reward':>16}  published"
+    )
     for v in versions:
-        flags = (" current" if v.is_current else "") + (" pinned" if v.version == control.pinned_version else "")
+        flags = (" current" if v.is_current else "") + (" pinned" if pins.get(v.lineage) == v.version else "")
         origin = (
             f"rb v{v.rolled_back_from}"
             if v.rolled_back_from is not None
@@ -149,7 +155,8 @@ def print_versions(database: sa.Engine, *, as_json: bool) -> None:
         turn = f"{v.turn_reward.mean:.3f}" if v.turn_reward.mean is not None else "-"
         rollout = f"{v.rollout_reward.mean:.3f}" if v.rollout_reward.mean is not None else "-"
         print(
-            f"{v.adapter_name:<16}{v.status:<11}{v.stage:<12}{origin:<10}{turn:>12}{rollout:>16}  "
+            f"{v.adapter_name:<16}{v.lineage or 'shared':<14}{v.status:<11}{v.stage:<12}{origin:<10}{turn:>12}"
+            f"{rollout:>16}  "
             f"{v.created_at:%Y-%m-%d %H:%M:%S}{flags}"
         )
     if control.rollback_to is not None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import sqlalchemy as sa
+import torch
 from sqlalchemy.orm import Session
 
 from gateway.store import lineages, policy_versions
@@ -116,10 +117,34 @@ def test_a_tenant_lineage_trains_on_and_serves_only_its_own_tenant(
                 call = chat(gw, key, [{"role": "user", "content": "And now?"}])["call"]
                 assert served_version(url, call) == 1
 
-        # A pin holds one lineage only: pinning acme to its v2 leaves the shared lineage free, and a shared version
-        # cannot be pinned for acme.
+        # The policy API: each version's lineage, each tenant lineage's state. A version names its lineage: pinning
+        # acme's v2 pins acme's lineage only; a shared version cannot be pinned for acme.
+        policy = httpx.get(f"{gw.v1}/policy", headers=bearer(ADMIN), timeout=30).json()
+        assert {v["version"]: v["lineage"] for v in policy["versions"]} == {0: SHARED, 1: SHARED, 2: "acme"}
+        assert policy["lineages"]["acme"]["served"]["version"] == 2
+        r = httpx.post(f"{gw.v1}/policy/pin", json={"version": 2}, headers=bearer(ADMIN), timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["lineages"]["acme"]["pinned_version"] == 2 and r.json()["pinned_version"] is None
+        assert main(["policy", "list", "--database-url", url]) == 0
+        listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("policy@v2 ")]
+        assert listed and " acme " in listed[0] and listed[0].endswith(" current pinned")
+        r = httpx.post(f"{gw.v1}/policy/unpin", json={"tenant": "acme"}, headers=bearer(ADMIN), timeout=30)
+        assert r.status_code == 200 and r.json()["lineages"]["acme"]["pinned_version"] is None
+        r = httpx.post(f"{gw.v1}/policy/unpin", json={"tenant": "Not A Name"}, headers=bearer(ADMIN), timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tenant"
         assert main(["policy", "pin", "1", "--tenant", "acme", "--database-url", url]) == 2
         assert "not a version of tenant acme's policy" in capsys.readouterr().err
+
+        # A restarted trainer reopens acme's lineage from its newest version (the weights the first one holds).
+        assert trainer.lineage == "acme"
+        again = Trainer(config, db)
+        again.activate("acme")
+        assert again.parent == 2
+        mine = {n: p for n, p in trainer.policy.named_parameters() if p.requires_grad}
+        theirs = {n: p for n, p in again.policy.named_parameters() if p.requires_grad}
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[n], theirs[n]) for n in mine)
+        again.activate(SHARED)
+        assert again.parent == 1
 
         # Back on the shared policy: acme's new conversations are served v1 again.
         assert main(["keys", "policy", "--tenant", "acme", "shared", "--database-url", url]) == 0

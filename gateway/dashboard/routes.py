@@ -28,7 +28,7 @@ from gateway.credentials.redact import decode_redacted, redact_pieces
 from gateway.credentials.tokens import tokenizer_decode
 from gateway.dashboard import auth, charts
 from gateway.errors import NotFound
-from gateway.policy import apply_change
+from gateway.policy import apply_change, lineage_for
 from gateway.promotion.promoter import rule_of
 from gateway.promotion.status import status as promotion_status
 from gateway.state import AppState, State
@@ -387,10 +387,11 @@ async def versions_page(request: Request, state: State, error: str | None = None
         return _to_login(request)
     if not who.is_global:
         return _global_only(request, state)
-    versions, control, promo = await asyncio.gather(
+    versions, control, promo, pins = await asyncio.gather(
         asyncio.to_thread(console.versions, state.db),
         asyncio.to_thread(policy_control.read, state.db),
         asyncio.to_thread(promotion_status, state.db, rule_of(state.settings)),
+        asyncio.to_thread(policy_control.pins, state.db),
     )
     return render(
         state,
@@ -398,6 +399,7 @@ async def versions_page(request: Request, state: State, error: str | None = None
         title="Versions",
         versions=list(reversed(versions)),
         control=control,
+        pins=pins,
         promo=promo,
         canary_since=dt.datetime.fromisoformat(promo["canary_started_at"]) if promo["canary_started_at"] else None,
         decisions=[_decision_view(d) for d in promo["decisions"]],
@@ -430,13 +432,18 @@ async def policy_action(request: Request, state: State, action: str) -> Response
     form = parse_qs((await request.body()).decode("utf-8", "replace"))
     raw = (form.get("version") or [""])[0]
     changes: dict[str, Any] = {"pin": policy_control.pin, "rollback": policy_control.request_rollback}
+    # A version names its lineage (a tenant's own policy, or the shared one); unpin without one is the shared pin.
+    version = int(raw) if raw.isdigit() else None
+    lineage = await asyncio.to_thread(lineage_for, state.db, None, version)
     try:
         if action == "unpin":
-            await apply_change(state.db, state.policy, policy_control.unpin)
-        elif action in changes and raw.isdigit():
-            await apply_change(state.db, state.policy, changes[action], int(raw))
-        elif action in ("promote", "reject") and raw.isdigit():
-            await apply_change(state.db, state.policy, promotion.decide_by_operator, action, int(raw))
+            await apply_change(state.db, state.policy, policy_control.unpin, lineage)
+        elif action in changes and version is not None:
+            await apply_change(state.db, state.policy, changes[action], version, lineage)
+        elif action in ("promote", "reject") and version is not None:
+            await apply_change(
+                state.db, state.policy, promotion.decide_by_operator, action, version, "operator", lineage
+            )
         else:
             raise NotFound(f"no policy action {action!r} for version {raw!r}")
     except (NotFound, policy_control.UnknownVersion, promotion.NotDecidable) as exc:

@@ -78,6 +78,7 @@ class VersionRow:
     parent_version: int | None = None
     rolled_back_from: int | None = None
     stage: str = "promoted"  # guarded promotion: candidate | canary | promoted | rejected
+    lineage: str = ""  # "" the shared policy, else the tenant whose own policy it is
 
 
 def versions(db: sa.Engine, limit: int = 200) -> list[VersionRow]:
@@ -134,6 +135,7 @@ def versions(db: sa.Engine, limit: int = 200) -> list[VersionRow]:
                 parent_version=v.parent_version,
                 rolled_back_from=v.rolled_back_from,
                 stage=v.stage,
+                lineage=v.lineage,
             )
             for v in rows
         ]

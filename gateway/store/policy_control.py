@@ -49,6 +49,13 @@ def read(db: sa.Engine, lineage: str = SHARED) -> Control:
         return Control(row.pinned_version, row.rollback_to, row.updated_at) if row is not None else Control()
 
 
+def pins(db: sa.Engine) -> dict[str, int]:
+    """The pinned version of every lineage that has one."""
+    with Session(db) as session:
+        query = sa.select(PolicyControl.lineage, PolicyControl.pinned_version)
+        return {lineage: int(v) for lineage, v in session.execute(query) if v is not None}
+
+
 def _row(session: Session, lineage: str = SHARED) -> PolicyControl:
     row = find(session, lineage, for_update=True)
     if row is None:
@@ -113,6 +120,7 @@ __all__ = [
     "describe",
     "find",
     "pin",
+    "pins",
     "read",
     "request_rollback",
     "unpin",

@@ -124,6 +124,12 @@ def oldest_within(session: Session, bound: int) -> int | None:
     return min(v[bound] for v in by_lineage.values())
 
 
+def lineage_of_version(db: sa.Engine, version: int) -> str | None:
+    """The lineage ``version`` belongs to (None: never published)."""
+    with Session(db) as session:
+        return lineage_of(session, version)
+
+
 def lineage_versions(db: sa.Engine, lineage: str) -> list[int]:
     """The versions of ``lineage``, newest first."""
     with Session(db) as session:
@@ -217,6 +223,7 @@ __all__ = [
     "in_stages",
     "insert",
     "lineage_of",
+    "lineage_of_version",
     "lineage_versions",
     "mark_current",
     "mark_retired",
