@@ -99,6 +99,12 @@ class Metrics:
             "clawgate_policy_version", "Policy version new calls are routed to (-1: the base model)", registry=r
         )
         self.policy_version.set(-1)
+        self.lineage_version = Gauge(
+            "clawgate_lineage_policy_version",
+            "Version of a tenant's own policy its new calls are routed to",
+            ["tenant"],
+            registry=r,
+        )
         self.canary_version = Gauge(
             "clawgate_canary_version", "Candidate version serving a canary here (-1: none)", registry=r
         )

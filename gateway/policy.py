@@ -35,6 +35,7 @@ adapters side by side is not given another lineage: the tenant stays on the shar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import logging
 import time
@@ -153,6 +154,8 @@ class PolicyFollower:
         wanted = set(await asyncio.to_thread(lineages.own_policies, self.db))
         for tenant in [t for t in self.lineages if t not in wanted]:
             del self.lineages[tenant]
+            with contextlib.suppress(KeyError):  # never served a version of its own here
+                self.metrics.lineage_version.remove(tenant)
             self.service.use_lineage_routing(tenant, None)  # back on the shared policy
             log.info("tenant %s has no policy of its own any more: it is served the shared policy", tenant)
         for tenant in sorted(wanted - set(self.lineages)):
@@ -306,6 +309,8 @@ class PolicyFollower:
         published = row.created_at.timestamp()
         if self.primary:
             self.metrics.policy_version.set(version)
+        else:
+            self.metrics.lineage_version.labels(self.lineage).set(version)
         self.metrics.policy_swaps.inc()
         self.metrics.policy_swap_seconds.observe(max(time.time() - published, 0.0))
         log.info(

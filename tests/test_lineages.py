@@ -15,7 +15,7 @@ import sqlalchemy as sa
 import torch
 from sqlalchemy.orm import Session
 
-from gateway.store import lineages, policy_versions
+from gateway.store import lineages, policy_control, policy_versions
 from gateway.store.db import connect
 from gateway.store.models import Call, PolicyVersion, Rollout, TrainedTurn
 from gateway.store.policy_versions import SHARED
@@ -135,11 +135,24 @@ def test_a_tenant_lineage_trains_on_and_serves_only_its_own_tenant(
         assert main(["policy", "pin", "1", "--tenant", "acme", "--database-url", url]) == 2
         assert "not a version of tenant acme's policy" in capsys.readouterr().err
 
+        metrics = httpx.get(f"{gw.url}/metrics", timeout=30).text
+        assert 'clawgate_lineage_policy_version{tenant="acme"} 2.0' in metrics
+
+        # A rollback in acme's lineage: the trainer republishes v2's weights as acme's v3 and releases acme's pin.
+        assert main(["policy", "rollback", "2", "--database-url", url]) == 0
+        assert policy_control.read(db, "acme").pinned_version == 2 and policy_control.read(db).pinned_version is None
+        assert loop.one_pass(trainer, None, None)[0] is None  # nothing to train: the rollback alone
+        with Session(db) as session:
+            v3 = session.get(PolicyVersion, 3)
+        assert v3 is not None and (v3.lineage, v3.rolled_back_from, v3.stage) == ("acme", 2, "promoted")
+        after = policy_control.read(db, "acme")
+        assert after.pinned_version is None and after.rollback_to is None
+
         # A restarted trainer reopens acme's lineage from its newest version (the weights the first one holds).
         assert trainer.lineage == "acme"
         again = Trainer(config, db)
         again.activate("acme")
-        assert again.parent == 2
+        assert again.parent == 3
         mine = {n: p for n, p in trainer.policy.named_parameters() if p.requires_grad}
         theirs = {n: p for n, p in again.policy.named_parameters() if p.requires_grad}
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[n], theirs[n]) for n in mine)
@@ -257,3 +270,40 @@ def test_lineages_take_turns():
     assert loop.in_turn(["", "acme", "beta"], "") == ["acme", "beta", ""]
     assert loop.in_turn(["", "acme", "beta"], "beta") == ["", "acme", "beta"]
     assert loop.in_turn(["", "beta"], "acme") == ["", "beta"], "a lineage gone since: start from the first"
+
+
+def test_staleness_counts_a_lineage_s_own_versions(tmp_path):
+    """The judge skips turns beyond the staleness bound: with lineages, the oldest version still within the bound of
+    its own lineage, over all lineages (a busy lineage's versions do not age another's data)."""
+    from gateway.store import db as store_db
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    store_db.upgrade(url)
+    engine = connect(url)
+    try:
+
+        def publish(version: int, lineage: str) -> None:
+            with Session(engine) as session, session.begin():
+                name = f"policy@v{version}"
+                session.add(
+                    PolicyVersion(
+                        version=version, adapter_name=name, path=name, base_model="tiny", status="published",
+                        lineage=lineage,
+                    )
+                )  # fmt: skip
+
+        for v in range(11):
+            publish(v, SHARED)
+        with Session(engine) as session:
+            assert policy_versions.oldest_within(session, 3) == 7  # as before lineages: newest - bound
+        publish(11, "acme")
+        publish(12, "acme")
+        with Session(engine) as session:
+            assert policy_versions.oldest_within(session, 3) is None, "acme has no version beyond the bound yet"
+        for v in range(13, 16):
+            publish(v, "acme")
+        with Session(engine) as session:
+            assert policy_versions.oldest_within(session, 3) == 7  # shared: 10-3; acme: [15, 14, 13, 12, 11] -> 12
+        assert policy_versions.lineage_versions(engine, "acme") == [15, 14, 13, 12, 11]
+    finally:
+        engine.dispose()

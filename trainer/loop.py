@@ -139,7 +139,7 @@ def run(
     while not stop.is_set():
         started = dt.datetime.now(dt.UTC)
         try:
-            result, why = _one_pass(trainer, gate, after)
+            result, why = one_pass(trainer, gate, after)
         except Exception as exc:
             fault.failed(f"{describe(exc)}; retrying in {backoff:.0f}s", exc_info=exc)
             record_failure(trainer.db, trainer.version, exc, started, trainer.config.algorithm)
@@ -171,7 +171,7 @@ def in_turn(names: list[str], after: str | None) -> list[str]:
     return names[i:] + names[:i]
 
 
-def _one_pass(trainer: Trainer, gate: EvalGate | None, after: str | None) -> tuple[StepResult | None, str]:
+def one_pass(trainer: Trainer, gate: EvalGate | None, after: str | None) -> tuple[StepResult | None, str]:
     """One look at every lineage, in turn: the step taken (None: none was due) and what each one waits for."""
     waits = []
     for lineage in in_turn([SHARED, *lineages.own_policies(trainer.db)], after):
@@ -191,4 +191,4 @@ def _one_pass(trainer: Trainer, gate: EvalGate | None, after: str | None) -> tup
     return None, "; ".join(w for w in waits if w)
 
 
-__all__ = ["in_turn", "oldest_ready_age", "promotion_gate", "record_failure", "run", "should_step"]
+__all__ = ["in_turn", "oldest_ready_age", "one_pass", "promotion_gate", "record_failure", "run", "should_step"]
