@@ -261,11 +261,12 @@ class PolicyFollower:
         return True
 
     def promotion_summary(self) -> dict[str, Any]:
-        """Incumbent, candidate, stage and share as this gateway last read them (no database access: /health)."""
+        """Incumbent, candidate, stage and share as this gateway last read them (no database access: /health); the
+        shared lineage's also hold each tenant lineage's (``lineages``)."""
         state, routing = self.state, self.service.routing
         undecided = state.undecided()
         last = self.promoter.last if self.promoter is not None else None
-        return {
+        summary: dict[str, Any] = {
             "mode": state.mode,
             "incumbent": routing.incumbent.version,
             "candidate": undecided.version if undecided is not None else None,
@@ -277,6 +278,9 @@ class PolicyFollower:
             if last is None or self.promoter is None or self.promoter.last_version != self.candidate
             else {"outcome": last.outcome, "reason": last.reason},
         }
+        if self.primary:
+            summary["lineages"] = {tenant: f.promotion_summary() for tenant, f in self.lineages.items()}
+        return summary
 
     # -- steps ---------------------------------------------------------------------------------------------
 

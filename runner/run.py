@@ -47,6 +47,7 @@ class RunConfig:
     max_turns: int = 8
     pass_threshold: float = 1.0
     policy_version: int | None = None  # serve every rollout by this version (None: as the gateway routes it)
+    tenant: str | None = None  # the rollouts' tenant (the admin key's choice; a tenant's own policy serves it)
 
     @property
     def base(self) -> str:
@@ -156,6 +157,7 @@ class Runner:
                 "harness": harness.name,
                 "eval": self.config.eval,
                 **({"policy_version": self.config.policy_version} if self.config.policy_version is not None else {}),
+                **({"tenant": self.config.tenant} if self.config.tenant is not None else {}),
                 "metadata": {
                     "runner": {
                         "index": index,

@@ -31,12 +31,13 @@ def publish(
     broken: bool = False,
     gated: bool = False,
     seeded: bool = False,
+    lineage: str = "",
 ) -> Path:
     """Write ``policy@v<version>`` (zero adapter, or lora_B ~ N(0, scale) seeded by the version) and record it;
     ``broken`` writes unreadable weights; ``gated``: as a trainer with an evaluation gate publishes it; ``seeded``:
     lora_A is drawn from a generator seeded by the version too (like PEFT's default init: U(±1/sqrt(fan_in))),
     so the whole adapter, and its greedy answers, is the same in every run (PEFT draws A from the process's
-    global generator, which the gateway's threads use as well)."""
+    global generator, which the gateway's threads use as well); ``lineage``: a version of that tenant's own policy."""
     base = lora.load_base(str(model_dir))
     policy = lora.new_policy(base, lora.LoraSettings())
     if scale or seeded:
@@ -55,7 +56,7 @@ def publish(
     try:
         with Session(engine) as session, session.begin():
             # The stage the trainer would publish it in: a candidate under guarded promotion (``trainer/publish.py``).
-            stage = promotion.initial_stage(session, rolled_back_from=None, gated=gated)
+            stage = promotion.initial_stage(session, rolled_back_from=None, gated=gated, lineage=lineage)
             session.add(
                 PolicyVersion(
                     version=version,
@@ -67,10 +68,12 @@ def publish(
                     created_at=dt.datetime.now(dt.UTC),
                     stage=stage,
                     stage_at=dt.datetime.now(dt.UTC),
+                    lineage=lineage,
                 )
             )
             if stage == "promoted":
-                promotion.record_published(session, version, rolled_back_from=None, at=dt.datetime.now(dt.UTC))
+                at = dt.datetime.now(dt.UTC)
+                promotion.record_published(session, version, rolled_back_from=None, at=at, lineage=lineage)
     finally:
         engine.dispose()
     return path

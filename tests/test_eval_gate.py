@@ -181,6 +181,38 @@ def test_a_gate_that_cannot_measure_says_why_and_leaves_the_version_evaluating(g
         engine.dispose()
 
 
+def test_a_tenant_s_own_version_is_evaluated_on_rollouts_of_its_tenant(gated, tiny_model_dir):
+    """acme's first version of its own, published evaluating, is loaded for acme's rollouts pinned to it; the gate
+    runs the suite as acme's rollouts on it and on the shared incumbent it is compared with, and rejects it."""
+    from gateway.store import lineages
+
+    gw, gate, adapters, _ = gated
+    url = gw.settings.database_url
+    engine = db.connect(url)
+    try:
+        lineages.set_own_policy(engine, "acme", True)
+        publish(url, adapters, tiny_model_dir, 1, scale=0.5, gated=True, lineage="acme")
+        assert policy_versions.stage_of(engine, 1) == "evaluating"
+        assert promotion.read_state(engine, "acme").compared_with() == 0
+
+        def acme_evaluating() -> object:
+            summary = httpx.get(gw.url + "/health").json()["policy"]["promotion"]
+            return (summary.get("lineages") or {}).get("acme", {}).get("evaluating")
+
+        wait_for(lambda: acme_evaluating() == 1, "acme's v1 loaded for evaluation")
+        # Another tenant's rollout cannot be pinned to it: it reads as a version never published.
+        for tenant in ("beta", None):
+            body = {"policy_version": 1, **({"tenant": tenant} if tenant else {})}
+            r = httpx.post(gw.v1 + "/rollouts", json=body, headers=ADMIN)
+            assert r.status_code == 404 and "never published" in r.json()["error"]["message"], r.text
+        assert eval_gate.decide(engine, gate, 1, 0, "acme") == "rejected"
+    finally:
+        engine.dispose()
+    evaluated = versions_served(gw, eval="true", tenant="acme")
+    assert sorted(v for calls in evaluated.values() for v in set(calls)) == [0, 0, 1, 1]
+    assert versions_served(gw, eval="true", tenant="default") == {}
+
+
 def test_the_trainer_loop_runs_the_gate_and_goes_on_from_the_incumbent(gated, tiny_model_dir):
     from trainer.config import TrainConfig
     from trainer.loop import promotion_gate

@@ -122,8 +122,9 @@ class EvalGate:
             raise ValueError("an evaluation gate needs at least one task and one harness")
         self.config = config
 
-    def wait_until_served(self, version: int) -> None:
-        """Until the gateway reports ``version`` loaded for evaluation (``/health``: policy.promotion.evaluating)."""
+    def wait_until_served(self, version: int, tenant: str | None = None) -> None:
+        """Until the gateway reports ``version`` loaded for evaluation (``/health``: policy.promotion.evaluating, or
+        for a tenant's own policy policy.promotion.lineages.TENANT.evaluating)."""
         deadline = time.monotonic() + self.config.serve_timeout
         url = self.config.gateway_url.rstrip("/").removesuffix("/v1") + "/health"
         seen = "no answer"
@@ -131,6 +132,8 @@ class EvalGate:
             try:
                 body = httpx.get(url, timeout=10).json()
                 promo = (body.get("policy") or {}).get("promotion") or {}
+                if tenant is not None:
+                    promo = (promo.get("lineages") or {}).get(tenant) or {}
                 if promo.get("evaluating") == version:
                     return
                 seen = f"evaluating={promo.get('evaluating')}"
@@ -141,8 +144,9 @@ class EvalGate:
             f"the gateway at {url} did not serve policy@v{version} within {self.config.serve_timeout:g} s ({seen})"
         )
 
-    def run_arm(self, version: int) -> ArmScore:
-        """The suite as evaluation rollouts pinned to ``version`` (blocking)."""
+    def run_arm(self, version: int, tenant: str | None = None) -> ArmScore:
+        """The suite as evaluation rollouts pinned to ``version`` (blocking), as ``tenant``'s rollouts when it is a
+        version of (or compared for) that tenant's own policy: only the tenant's routing serves those versions."""
         c = self.config
         run = RunConfig(
             gateway_url=c.gateway_url,
@@ -152,6 +156,7 @@ class EvalGate:
             eval=True,
             max_turns=c.max_turns,
             policy_version=version,
+            tenant=tenant,
         )
         sandboxes = SandboxFactory(c.sandbox)
         try:
@@ -164,10 +169,10 @@ class EvalGate:
             raise GateError(f"no evaluation rollout of policy@v{version} was scored: {'; '.join(reasons)}")
         return score
 
-    def evaluate(self, version: int, incumbent: int) -> GateResult:
-        self.wait_until_served(version)
+    def evaluate(self, version: int, incumbent: int, tenant: str | None = None) -> GateResult:
+        self.wait_until_served(version, tenant)
         t0 = time.monotonic()
-        result = GateResult(self.run_arm(version), self.run_arm(incumbent), self.config.margin)
+        result = GateResult(self.run_arm(version, tenant), self.run_arm(incumbent, tenant), self.config.margin)
         log.info("policy@v%d: %s (%.0f s)", version, result.reason, time.monotonic() - t0)
         return result
 
@@ -185,8 +190,9 @@ def build(
     return EvalGate(GateConfig(loaded, made, gateway_url, admin_key, n=n, margin=margin))
 
 
-def decide(db: sa.Engine, gate: EvalGate | None, version: int, incumbent: int | None) -> str:
-    """Run the gate on a version being evaluated and move it on; returns its stage afterwards.
+def decide(db: sa.Engine, gate: EvalGate | None, version: int, incumbent: int | None, tenant: str | None = None) -> str:
+    """Run the gate on a version being evaluated (of ``tenant``'s own policy, when given) and move it on; returns its
+    stage afterwards.
 
     Without a gate (a trainer restarted without one) the version goes on to its canary, and that is logged."""
     if gate is None or incumbent is None:
@@ -194,7 +200,7 @@ def decide(db: sa.Engine, gate: EvalGate | None, version: int, incumbent: int | 
         promotion.move(db, version, expect=("evaluating",), to="candidate", reason=why, decided_by="trainer")
         log.warning("policy@v%d goes on to its canary unevaluated: %s", version, why)
         return policy_versions.stage_of(db, version) or "candidate"
-    result = gate.evaluate(version, incumbent)
+    result = gate.evaluate(version, incumbent, tenant)
     promotion.move(
         db,
         version,

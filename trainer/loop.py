@@ -90,7 +90,8 @@ def promotion_gate(trainer: Trainer, gate: EvalGate | None = None, lineage: str 
         return True, ""  # a lineage not opened yet, or forked from the shared policy with nothing of its own yet
     stage = policy_versions.stage_of(trainer.db, parent)
     if stage == "evaluating" and state.pinned is None:
-        stage = eval_gate.decide(trainer.db, gate, parent, state.compared_with())
+        tenant = None if lineage == SHARED else lineage
+        stage = eval_gate.decide(trainer.db, gate, parent, state.compared_with(), tenant)
     if stage == "rejected":
         back = state.incumbent.version if state.incumbent is not None else None
         back = back or policy_versions.newest_not_rejected(trainer.db, lineage)

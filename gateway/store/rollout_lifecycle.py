@@ -76,7 +76,8 @@ def create(
     tenant: str = "default",
 ) -> tuple[Rollout, str]:
     """A new explicit rollout of ``tenant`` and its key. ``policy_version``: every call is served by that version,
-    which must be published and not rejected (``VersionNotServable`` otherwise)."""
+    which must be published, not rejected and of the shared policy or the tenant's own (``VersionNotServable``
+    otherwise; another tenant's version reads as one never published)."""
     key = new_rollout_key()
     now = utcnow()
     rollout = Rollout(
@@ -97,6 +98,8 @@ def create(
     with Session(db, expire_on_commit=False) as session, session.begin():
         if policy_version is not None:
             stage = policy_versions.stage(session, policy_version)
+            if policy_versions.lineage_of(session, policy_version) not in (policy_versions.SHARED, tenant):
+                stage = None
             if stage is None or stage == "rejected":
                 raise VersionNotServable(policy_version, stage)
         session.add(rollout)
