@@ -22,6 +22,7 @@ from gateway.store.policy_versions import SHARED
 from tests.test_tenants import ADMIN, CLIENT, SECRET, bearer, new_key
 from trainer import loop
 from trainer.config import TrainConfig, Trigger
+from trainer.plan import StepResult, describe
 from trainer.step import Trainer
 
 
@@ -93,8 +94,10 @@ def test_a_tenant_lineage_trains_on_and_serves_only_its_own_tenant(
             trigger=Trigger(min_turns=3, interval=0.1, max_steps=2),
         )
         trainer = Trainer(config, db)  # publishes v0, the shared lineage's first version
-        steps = loop.run(trainer, stop=threading.Event())
-        assert steps == 2
+        results: list[StepResult] = []
+        assert loop.run(trainer, stop=threading.Event(), on_step=results.append) == 2
+        assert [r.lineage for r in results] == [SHARED, "acme"]
+        assert describe(results[1]).startswith(f"step {results[1].step_id} -> policy@v2 (tenant acme)  ")
         with Session(db) as session:
             rows = {v.version: v for v in session.scalars(sa.select(PolicyVersion))}
             batches: dict[int, set[str]] = {}

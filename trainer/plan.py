@@ -22,6 +22,7 @@ class StepResult:
     seconds: float
     turns: int = 0
     trained_turns: int = 0
+    lineage: str = ""  # "" the shared policy, else the tenant whose own policy the step trained
 
 
 @dataclass(slots=True)
@@ -75,7 +76,8 @@ def _mean(values: list[float]) -> float:
 def describe(result: StepResult) -> str:
     m = result.metrics
     parts = [
-        f"step {result.step_id} -> policy@v{result.version}",
+        f"step {result.step_id} -> policy@v{result.version}"
+        + (f" (tenant {result.lineage})" if result.lineage else ""),
         f"rollouts {result.trained_rollouts}/{result.rollouts}",
     ]
     if result.turns:

@@ -228,6 +228,7 @@ class Trainer:
             time.perf_counter() - t0,
             turns=len(plan.turns),
             trained_turns=len(plan.trained_turns),
+            lineage=self.lineage,
         )
 
     def _screen(self, plan: StepPlan) -> None:
