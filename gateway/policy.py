@@ -159,7 +159,7 @@ class PolicyFollower:
             self.service.use_lineage_routing(tenant, None)  # back on the shared policy
             log.info("tenant %s has no policy of its own any more: it is served the shared policy", tenant)
         for tenant in sorted(wanted - set(self.lineages)):
-            reason = self._no_room_for(len(self.lineages) + 2)
+            reason = await self._no_room_for(len(self.lineages) + 2)
             if reason is not None:
                 if self.refused.get(tenant) != reason:
                     log.error(
@@ -186,9 +186,12 @@ class PolicyFollower:
             except Exception as exc:
                 log.warning("tenant %s's policy: %s", tenant, describe(exc))
 
-    def _no_room_for(self, lineages_served: int) -> str | None:
-        """Why the engine cannot serve ``lineages_served`` lineages' adapters side by side (None: it can)."""
-        reported = [n for n in getattr(self.engine, "max_loras", {}).values() if n is not None]
+    async def _no_room_for(self, lineages_served: int) -> str | None:
+        """Why the engine cannot serve ``lineages_served`` lineages' adapters side by side (None: it can). Only a
+        vLLM engine has a limit (``VLLMEngine.lora_slots``: its ``--max-loras``); the local engine has none."""
+        read = getattr(self.engine, "lora_slots", None)
+        slots = await read() if read is not None else {}
+        reported = [n for n in slots.values() if n is not None]
         per_lineage = 2 if self.state.mode == promotion.GUARDED else 1  # the incumbent, and a canary's candidate
         needed = lineages_served * per_lineage
         if reported and min(reported) < needed:

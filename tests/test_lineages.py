@@ -245,7 +245,12 @@ def test_a_lineage_beyond_the_engine_s_lora_slots_is_not_served(gateway_factory,
     beta is refused with the reason and served the shared policy."""
     gw = gateway_factory(admin_key=ADMIN, api_keys=CLIENT, key_secret=SECRET, policy_poll_interval=0.2)
     url = gw.settings.database_url
-    gw.state.engine.max_loras = {"http://replica-1": 2}  # what a vLLM started with --max-loras 2 reports
+    slots = {"http://replica-1": 2}  # what a vLLM server started with --max-loras 2 reports (VLLMEngine.lora_slots)
+
+    async def lora_slots() -> dict[str, int | None]:
+        return dict(slots)
+
+    gw.state.engine.lora_slots = lora_slots
     db = connect(url)
     try:
         lineages.set_own_policy(db, "acme", True)
@@ -259,7 +264,7 @@ def test_a_lineage_beyond_the_engine_s_lora_slots_is_not_served(gateway_factory,
         assert follower.refused["beta"] == "vLLM's --max-loras is 2, below the 3 adapters served side by side"
         assert "tenant beta's own policy is not served" in caplog.text
         # More slots (a restarted server): beta is opened at the next poll.
-        gw.state.engine.max_loras = {"http://replica-1": 4}
+        slots["http://replica-1"] = 4
         while "beta" not in follower.lineages:
             assert time.monotonic() < end, "beta's lineage was not opened once there was room"
             time.sleep(0.1)

@@ -117,6 +117,20 @@ async def test_without_guarded_promotion_nothing_is_checked() -> None:
     assert engine.max_loras == {} and server.paths == ["/v1/models"]
 
 
+async def test_the_slots_are_read_once_when_a_tenant_policy_asks() -> None:
+    """Before a tenant's own policy is served beside the shared one, the policy follower asks for the slots."""
+    server = ScriptedVLLM(3)
+    async with serving(server) as [url]:
+        engine = VLLMEngine(url, model="tiny", min_loras=1)
+        await engine.start()
+        try:
+            assert await engine.lora_slots() == {url: 3}
+            assert await engine.lora_slots() == {url: 3}  # read once
+        finally:
+            await engine.close()
+    assert server.paths == ["/v1/models", "/metrics", "/v1/completions", "/metrics"]
+
+
 async def test_clawgate_serve_under_guarded_promotion_refuses_a_vllm_with_max_loras_1(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:

@@ -146,6 +146,13 @@ class VLLMEngine:
             await self._session.close()
             self._session = None
 
+    async def lora_slots(self) -> dict[str, int | None]:
+        """Each replica's ``--max-loras`` (None: not reported), read once (the policy follower asks before it serves
+        another tenant's own policy beside the others)."""
+        if not self.max_loras:
+            self.max_loras = await self._replicas.check_max_loras(1)
+        return self.max_loras
+
     async def health(self) -> bool:
         if self._session is None:
             return False
