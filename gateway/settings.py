@@ -114,6 +114,8 @@ class Settings(BaseSettings):
     train_interval: float = Field(default=5.0, gt=0)
     train_max_rollouts: int = Field(default=256, ge=1)
     train_max_turns: int = Field(default=256, ge=1)  # turns of everyday traffic per step at most
+    # Tokens per packed micro-batch (one forward pass); under torchrun micro-batches are shared out between ranks.
+    train_max_tokens_per_bin: int = Field(default=16384, ge=16)
     # Rollouts served by a version more than this many versions older than the trained one are not trained on.
     train_max_staleness: int = Field(default=8, ge=0)
     # A group with a single ready rollout waits this long for company before it is consumed without signal.

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from gateway.settings import Settings, from_flags
 if TYPE_CHECKING:
     import sqlalchemy as sa
 
+    from trainer import distributed
     from trainer.config import TrainConfig
     from trainer.eval_gate import EvalGate
     from trainer.step import Trainer
@@ -38,6 +40,7 @@ TRAIN_FLAGS = (
     "train_interval",
     "train_max_rollouts",
     "train_max_turns",
+    "train_max_tokens_per_bin",
     "train_max_staleness",
     "train_group_wait",
     "train_temperature",
@@ -117,6 +120,12 @@ def _schedule_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--max-rollouts", dest="train_max_rollouts", type=int, help="rollouts of task runs per step at most")
     g.add_argument("--max-turns", dest="train_max_turns", type=int, help="turns of everyday traffic per step at most")
     g.add_argument(
+        "--max-tokens-per-bin",
+        dest="train_max_tokens_per_bin",
+        type=int,
+        help="tokens per packed micro-batch, one forward pass (CLAWGATE_TRAIN_MAX_TOKENS_PER_BIN, default 16384)",
+    )
+    g.add_argument(
         "--max-staleness", dest="train_max_staleness", type=int, help="skip rollouts served this many versions back"
     )
     g.add_argument(
@@ -170,6 +179,7 @@ def train_config(settings: Settings, *, once: bool = False) -> TrainConfig:
         temperature=settings.train_temperature,
         max_rollouts=settings.train_max_rollouts,
         max_turns=settings.train_max_turns,
+        max_tokens_per_bin=settings.train_max_tokens_per_bin,
         max_staleness=settings.train_max_staleness,
         # A one-shot run consumes a lone group member at once; the daemon lets it wait for its group.
         group_wait=0.0 if once else settings.train_group_wait,
@@ -192,10 +202,8 @@ def train_config(settings: Settings, *, once: bool = False) -> TrainConfig:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from gateway.store import db
-    from trainer.progress import StepProgress
-    from trainer.publish import TrainerBusy, TrainerLock
-    from trainer.step import Trainer
+    from trainer import distributed
+    from trainer.config import resolve_device
 
     settings = from_flags(args, TRAIN_SETTINGS)
     setup_logging(settings.log_level)
@@ -206,6 +214,38 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"training with {settings.train_threads} CPU thread(s)", file=sys.stderr, flush=True)
     config = train_config(settings, once=args.once)
     config.trigger.max_steps = args.max_steps
+    world = distributed.from_env(resolve_device(config.device))
+    if world is None:
+        return _train_main(args, settings, config, None)
+    if config.algorithm == "ppo":
+        print("error: PPO does not train on several processes yet: run it without torchrun", file=sys.stderr)
+        distributed.close(world)
+        return 2
+    if not world.main:
+        return _serve_rank(world, config)
+    lost = False
+    try:
+        return _train_main(args, settings, config, world)
+    except distributed.WorldLost as exc:
+        lost = True
+        print(f"error: {exc}; nothing was published from the step it interrupted", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if not lost:
+            with contextlib.suppress(distributed.WorldLost):
+                world.send(None)  # the other ranks stop
+        distributed.close(world)
+
+
+def _train_main(
+    args: argparse.Namespace, settings: Settings, config: TrainConfig, world: distributed.World | None
+) -> int:
+    """The trainer proper (rank 0 under torchrun): the adapter directory's lock, the database, the steps."""
+    from gateway.store import db
+    from trainer.progress import StepProgress
+    from trainer.publish import TrainerBusy, TrainerLock
+    from trainer.step import Trainer
+
     gate: EvalGate | None = None
     if settings.eval_gate_tasks is not None and not args.once:
         try:
@@ -229,15 +269,36 @@ def cmd_train(args: argparse.Namespace) -> int:
         database.dispose()
         return TRAINER_BUSY
     try:
-        trainer = Trainer(config, database)
+        trainer = Trainer(config, database, world)
         trainer.progress = StepProgress()
-        print(f"policy@v{trainer.version} loaded from {config.adapter_dir}", file=sys.stderr, flush=True)
+        where = "" if world is None else f" (rank 0 of {world.size})"
+        print(f"policy@v{trainer.version} loaded from {config.adapter_dir}{where}", file=sys.stderr, flush=True)
         if args.once:
             return _train_once(trainer, args)
         return _train_daemon(trainer, settings, database, gate)
     finally:
         lock.release()
         database.dispose()
+
+
+def _serve_rank(world: distributed.World, config: Any) -> int:
+    """A rank other than 0 under torchrun: the base model and a LoRA of the same shape, whose weights come from
+    rank 0 at every update; no database, no adapter directory (``distributed.py``)."""
+    from trainer import distributed, lora
+    from trainer.config import resolve_device
+
+    print(f"rank {world.rank}/{world.size}: computing gradients for rank 0", file=sys.stderr, flush=True)
+    base = lora.load_base(config.model, dtype=config.dtype, device=resolve_device(config.device))
+    policy = lora.new_policy(base, config.lora, gradient_checkpointing=config.gradient_checkpointing)
+    try:
+        served = distributed.serve(world, policy)
+    except distributed.WorldLost as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        distributed.close(world)
+    print(f"rank {world.rank}/{world.size}: {served} updates", file=sys.stderr, flush=True)
+    return 0
 
 
 def _eval_gate(settings: Settings) -> EvalGate:

@@ -35,6 +35,7 @@ from gateway.store import lineages, policy_control, policy_versions, promotion, 
 from gateway.store.policy_versions import SHARED
 from gateway.store.readiness import oldest_ready_age, readiness
 from trainer import eval_gate
+from trainer.distributed import WorldLost
 from trainer.eval_gate import EvalGate
 from trainer.plan import StepResult
 from trainer.step import Trainer
@@ -141,6 +142,8 @@ def run(
         started = dt.datetime.now(dt.UTC)
         try:
             result, why = one_pass(trainer, gate, after)
+        except WorldLost:
+            raise  # another rank is gone: the launcher restarts the group, from the last published version
         except Exception as exc:
             fault.failed(f"{describe(exc)}; retrying in {backoff:.0f}s", exc_info=exc)
             record_failure(trainer.db, trainer.version, exc, started, trainer.config.algorithm)

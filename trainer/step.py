@@ -59,7 +59,7 @@ from gateway.store.policy_versions import SHARED
 from gateway.store.readiness import ready_rollouts, stale_rollouts, stale_turns
 from gateway.store.training_data import RolloutData, load_rollout, load_turns, turn_trees
 from prefix_tree import RolloutTree
-from trainer import lora, ppo, publish, update
+from trainer import distributed, lora, ppo, publish, update
 from trainer.advantages import AdvantageResult, batch_advantages, group_advantages
 from trainer.batch import PackedBatch
 from trainer.config import TrainConfig, resolve_device
@@ -83,9 +83,11 @@ class _Parked:
 class Trainer:
     """Holds the policy and its optimizer across steps (``clawgate train`` runs one per process), per lineage."""
 
-    def __init__(self, config: TrainConfig, db: sa.Engine) -> None:
+    def __init__(self, config: TrainConfig, db: sa.Engine, world: distributed.World | None = None) -> None:
         self.config = config
         self.db = db
+        # Under torchrun (``distributed.py``): this is rank 0, and the other ranks share each update.
+        self.world = world
         # Called as progress(phase, batches done, batches) while a step runs (`clawgate train` draws a bar).
         self.progress: Callable[[str, int, int], None] | None = None
         torch.manual_seed(config.seed)
@@ -379,7 +381,12 @@ class Trainer:
             logp = sequence_logprobs(self.policy, batch, temperature=cfg.temperature)
             return update.policy_term(logp, batch, table.for_batch(batch), cfg)
 
-        return update.run(self.policy, self.optimizer, update.pack(trees, cfg), loss, progress=self.progress)
+        batches = update.pack(trees, cfg)
+        if self.world is not None:
+            work = distributed.Work(batches, table, cfg.temperature, cfg.clip_low, cfg.clip_high, cfg.is_cap)
+            self.world.send(work)
+            self.world.share_weights(self.policy)
+        return update.run(self.policy, self.optimizer, batches, loss, progress=self.progress, world=self.world)
 
     def rollback(self, to: int) -> int:
         """Continue from version ``to``: its weights (and value head) become the policy's, the optimizer starts

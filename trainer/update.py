@@ -22,13 +22,18 @@ into micro-batches (bin budget, tree or path layout) but ``tokens_processed``, w
 - ``grad_norm``: the policy's gradient norm before clipping (0 when the step leaves the policy as it is);
 - ``tokens_processed``: the tokens the forward passes ran, padding included (``PackedBatch.num_tokens``).
 
+Under ``torchrun`` (``world``, ``distributed.py``) each rank runs forward and backward on its share of the
+micro-batches with the same normalizer U, the gradients and metric sums are added up over the ranks, and rank 0
+alone clips and steps: the step is the one process's, up to the order of float additions.
+
 Pure torch on the model side; no database.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -36,6 +41,11 @@ from torch import Tensor
 from prefix_tree import RolloutTree
 from trainer.batch import PackedBatch, pack_trees
 from trainer.loss import policy_loss
+
+if TYPE_CHECKING:
+    from trainer.distributed import World
+
+log = logging.getLogger("clawgate.trainer")
 
 __all__ = ["MAX_GRAD_NORM", "MicroBatchLoss", "Progress", "UpdateSettings", "pack", "policy_term", "run"]
 
@@ -92,41 +102,63 @@ def policy_term(
 
 def run(
     policy: Any,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     batches: Sequence[PackedBatch],
     loss_fn: MicroBatchLoss,
     *,
     train_policy: bool = True,
     progress: Progress | None = None,
+    world: World | None = None,
 ) -> dict[str, float]:
     """One update of ``policy`` (whose trainable parameters ``optimizer`` holds) over ``batches``.
 
     ``loss_fn`` may reach other parameters too (PPO's value head): their gradients accumulate with the same
     normalization and their optimizer is the caller's. With ``train_policy=False`` the policy's optimizer takes no
-    step (PPO's critic warm-up). Returns the step metrics of the module docstring.
+    step (PPO's critic warm-up). With ``world`` this rank trains on its share of ``batches`` and the ranks' gradients
+    are added up; a rank other than 0 has no optimizer and takes no step. Returns the step metrics of the module
+    docstring.
     """
     device = policy.get_input_embeddings().weight.device
     total = float(sum(float(b.weights[b.trainable].sum()) for b in batches))
     normalizer = total or 1.0
-    optimizer.zero_grad(set_to_none=True)
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        policy.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
     processed = 0
-    for i, b in enumerate(batches):
-        b = b.to(device)
+    mine = list(range(len(batches))) if world is None else world.indices(len(batches))
+    tokens = 0.0
+    for done, i in enumerate(mine):
+        b = batches[i].to(device)
         loss, metrics = loss_fn(b)
         (loss / normalizer).backward()
         if progress is not None:
-            progress("train", i + 1, len(batches))
+            progress("train", done + 1, len(mine))
         processed += b.num_tokens
+        tokens += float(b.weights[b.trainable].sum())
         _accumulate(sums, metrics, float(b.weights[b.trainable].sum()))
+    if world is not None:
+        log.info("rank %d/%d: %d tokens", world.rank, world.size, round(tokens))
+        world.sum_gradients(policy)
+        sums, processed = _combine(world.gather((sums, processed)))
     grad_norm = 0.0
-    if train_policy:
+    if train_policy and optimizer is not None:
         trainable = [p for p in policy.parameters() if p.requires_grad]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_norm=MAX_GRAD_NORM))
         optimizer.step()
     step = {k: v if k in _COUNTS or k in _MAXIMA else v / normalizer for k, v in sums.items()}
     step.update({"grad_norm": grad_norm, "tokens_processed": float(processed), "trainable_tokens": total})
     return step
+
+
+def _combine(shares: list[tuple[dict[str, float], int]]) -> tuple[dict[str, float], int]:
+    """The ranks' metric sums and processed tokens, as if one process had run every micro-batch."""
+    sums: dict[str, float] = {}
+    for share, _ in shares:
+        for name, value in share.items():
+            sums[name] = max(sums.get(name, value), value) if name in _MAXIMA else sums.get(name, 0.0) + value
+    return sums, sum(processed for _, processed in shares)
 
 
 def _accumulate(sums: dict[str, float], metrics: Mapping[str, float], tokens: float) -> None:

@@ -1,0 +1,173 @@
+"""The trainer on several processes: ``clawgate train`` under ``torchrun`` (or any launcher that sets the
+torch.distributed environment: ``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), data-parallel over the
+LoRA update.
+
+Rank 0 is the trainer as on one process: it alone opens the database (claims what is ready, builds the trees and
+the micro-batches, publishes). The other ranks only compute gradients. At each update (``update.run``):
+
+1. rank 0 sends the step's work to every rank (``broadcast_object_list``): the micro-batches and the credit table
+   that gives each trained token its advantage (``credit.CreditTable``, read by the batch's contents);
+2. rank 0 broadcasts the policy's trainable (LoRA) weights, so every rank computes with the weights rank 0 holds,
+   after a restore, a rollback or a switch of lineage as much as after a step;
+3. micro-batch i goes to rank i mod W; each rank runs forward and backward on its share with the loss divided by
+   the whole step's trainable tokens U (``update.run``'s normalizer, the same on every rank);
+4. the gradients are summed over the ranks (``all_reduce``): Σ over micro-batches of their gradients, as on one
+   process up to the order of float additions; rank 0 clips and takes the optimizer step (the others keep no
+   optimizer: their weights come from rank 0 at the next update). The metrics' sums are combined the same way.
+
+Rank 0 builds the batches and sends them, rather than each rank building its own shard from a deterministic split,
+because what is ready is whatever the database holds at the moment of the claim, and only one process may claim it
+(each turn and rollout is consumed exactly once); a LoRA step's batches (token ids, logprobs) are small beside the
+model. Each rank logs one line per update, ``rank R/W: N tokens`` (the trainable tokens it trained on).
+
+A rank that dies ends the next collective on every rank with an error: rank 0 has not published (publishing comes
+after the update), raises ``WorldLost`` and exits, so the launcher restarts the group (``torchrun --max-restarts``);
+the new rank 0 resumes from the last published version and what the lost step would have consumed is still ready.
+
+Not yet: sharding the frozen base (FSDP2; every rank holds the whole base model) and PPO (refused under torchrun).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainer.batch import PackedBatch
+from trainer.credit import CreditTable
+
+log = logging.getLogger("clawgate.trainer")
+
+# How long a collective waits for the other ranks (a rank whose process died is usually noticed at once).
+TIMEOUT = dt.timedelta(minutes=30)
+
+
+class WorldLost(RuntimeError):
+    """A collective failed: a rank died or cannot be reached. The group must be restarted by its launcher."""
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """One update's data, as rank 0 sends it: the micro-batches and their tokens' advantages (``None``: stop)."""
+
+    batches: list[PackedBatch]
+    credits: CreditTable
+    temperature: float
+    clip_low: float
+    clip_high: float
+    is_cap: float
+    strategy: str = ""
+    max_tokens_per_bin: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    rank: int
+    size: int
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def indices(self, n: int) -> list[int]:
+        """The micro-batches of ``n`` this rank trains on."""
+        return list(range(self.rank, n, self.size))
+
+    def send(self, work: Work | None) -> Work | None:
+        """Rank 0: send ``work`` (None: stop); the others: receive it."""
+        import torch.distributed as dist
+
+        box: list[Any] = [work if self.main else None]
+        _collective(dist.broadcast_object_list, box, src=0)
+        return box[0]
+
+    def share_weights(self, policy: Any) -> None:
+        """Every rank gets rank 0's trainable weights."""
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for param in trainable(policy):
+                _collective(dist.broadcast, param.data, src=0)
+
+    def sum_gradients(self, policy: Any) -> None:
+        """Add up the trainable parameters' gradients over the ranks (a rank with none adds zeros)."""
+        import torch.distributed as dist
+
+        for param in trainable(policy):
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            _collective(dist.all_reduce, param.grad, op=dist.ReduceOp.SUM)
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order, on every rank."""
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        _collective(dist.all_gather_object, out, value)
+        return out
+
+
+def trainable(policy: Any) -> list[torch.nn.Parameter]:
+    return [p for p in policy.parameters() if p.requires_grad]
+
+
+def _collective(fn: Any, *args: Any, **kwargs: Any) -> None:
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:  # gloo/NCCL raise RuntimeError subclasses (DistBackendError, ...) when a peer is gone
+        raise WorldLost(f"another trainer rank is gone ({type(exc).__name__}: {exc})") from exc
+
+
+def from_env(device: str) -> World | None:
+    """The process group of this launch (None: one process). ``device`` is the trainer's resolved device: NCCL on
+    GPUs (each rank on its ``LOCAL_RANK``'s GPU), gloo on CPUs."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "gloo"
+        if device.startswith("cuda"):
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            backend = "nccl"
+        dist.init_process_group(backend=backend, timeout=TIMEOUT)
+    return World(dist.get_rank(), dist.get_world_size())
+
+
+def close(world: World | None) -> None:
+    if world is None:
+        return
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def serve(world: World, policy: Any) -> int:
+    """A rank other than 0: compute gradients for every update rank 0 sends, until it says stop; the number of
+    updates served."""
+    from trainer import update
+    from trainer.logprobs import sequence_logprobs
+
+    served = 0
+    policy.train()
+    while True:
+        work = world.send(None)
+        if work is None:
+            return served
+        world.share_weights(policy)
+
+        def loss(batch: PackedBatch, work: Work = work) -> tuple[torch.Tensor, dict[str, float]]:
+            logp = sequence_logprobs(policy, batch, temperature=work.temperature)
+            return update.policy_term(logp, batch, work.credits.for_batch(batch), work)  # type: ignore[arg-type]
+
+        update.run(policy, None, work.batches, loss, world=world)
+        served += 1
+
+
+__all__ = ["TIMEOUT", "Work", "World", "WorldLost", "close", "from_env", "serve", "trainable"]
