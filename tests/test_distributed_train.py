@@ -67,9 +67,11 @@ def copy_of(ready_db: Path, where: Path) -> str:
     return f"sqlite:///{where / 'db.sqlite'}"
 
 
-def train(model: Path, url: str, adapters: Path, *, ranks: int, env: dict[str, str] | None = None) -> Any:
+def train(
+    model: Path, url: str, adapters: Path, *, ranks: int, env: dict[str, str] | None = None, algorithm: str = "grpo"
+) -> Any:
     flags = ["train", "--once", "--model", str(model), "--database-url", url, "--adapter-dir", str(adapters)]
-    flags += ["--lr", "0.01", "--max-tokens-per-bin", "48", "--threads", "1"]
+    flags += ["--lr", "0.01", "--max-tokens-per-bin", "48", "--threads", "1", "--algorithm", algorithm]
     if ranks == 1:
         command = [sys.executable, "-m", "clawgate.cli", *flags]
     else:
@@ -80,8 +82,8 @@ def train(model: Path, url: str, adapters: Path, *, ranks: int, env: dict[str, s
     )
 
 
-def weights(adapters: Path, version: int) -> dict[str, torch.Tensor]:
-    return load_file(str(lora.version_path(adapters, version) / "adapter_model.safetensors"))
+def weights(adapters: Path, version: int, name: str = "adapter_model.safetensors") -> dict[str, torch.Tensor]:
+    return load_file(str(lora.version_path(adapters, version) / name))
 
 
 def trained(url: str) -> tuple[list[str], list[TrainStep]]:
@@ -94,12 +96,13 @@ def trained(url: str) -> tuple[list[str], list[TrainStep]]:
         engine.dispose()
 
 
-def test_two_ranks_take_the_step_one_process_takes(ready_db, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_two_ranks_take_the_step_one_process_takes(ready_db, tiny_model_dir, tmp_path, algorithm):
     one = copy_of(ready_db, tmp_path / "one")
     two = copy_of(ready_db, tmp_path / "two")
-    alone = train(tiny_model_dir, one, tmp_path / "one" / "adapters", ranks=1)
+    alone = train(tiny_model_dir, one, tmp_path / "one" / "adapters", ranks=1, algorithm=algorithm)
     assert alone.returncode == 0, alone.stderr
-    pair = train(tiny_model_dir, two, tmp_path / "two" / "adapters", ranks=2)
+    pair = train(tiny_model_dir, two, tmp_path / "two" / "adapters", ranks=2, algorithm=algorithm)
     assert pair.returncode == 0, pair.stderr[-4000:]
 
     # The same data consumed, the same adapter within float tolerance: the ranks add their gradients in another
@@ -111,6 +114,13 @@ def test_two_ranks_take_the_step_one_process_takes(ready_db, tiny_model_dir, tmp
     moved = max(float((a[k] - weights(tmp_path / "one" / "adapters", 0)[k]).abs().max()) for k in a)
     assert moved > 1e-4, "the step changed the adapter"
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    if algorithm == "ppo":  # the value head was trained on both ranks' gradients too
+        head = "value_head.safetensors"
+        ha, hb = weights(tmp_path / "one" / "adapters", 1, head), weights(tmp_path / "two" / "adapters", 1, head)
+        h0 = weights(tmp_path / "one" / "adapters", 0, head)
+        # Adam's first step moves the head's weights by about critic_lr (1e-5); tolerance a thousandth of that.
+        assert max(float((ha[k] - h0[k]).abs().max()) for k in ha) > 5e-6
+        assert max(float((ha[k] - hb[k]).abs().max()) for k in ha) < 1e-8
 
     # One line per rank; the ranks' tokens add up to the step's trainable tokens.
     lines = re.findall(r"rank (\d)/2: (\d+) tokens", pair.stderr)

@@ -217,10 +217,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     world = distributed.from_env(resolve_device(config.device))
     if world is None:
         return _train_main(args, settings, config, None)
-    if config.algorithm == "ppo":
-        print("error: PPO does not train on several processes yet: run it without torchrun", file=sys.stderr)
-        distributed.close(world)
-        return 2
     if not world.main:
         return _serve_rank(world, config)
     lost = False

@@ -5,15 +5,17 @@ LoRA update.
 Rank 0 is the trainer as on one process: it alone opens the database (claims what is ready, builds the trees and
 the micro-batches, publishes). The other ranks only compute gradients. At each update (``update.run``):
 
-1. rank 0 sends the step's work to every rank (``broadcast_object_list``): the micro-batches and the credit table
-   that gives each trained token its advantage (``credit.CreditTable``, read by the batch's contents);
+1. rank 0 sends the step's work to every rank (``broadcast_object_list``): the micro-batches and what gives each
+   trained token its target: GRPO's credit table (``credit.CreditTable``, read by the batch's contents), or PPO's
+   advantages, returns and old values per token with the value head's weights (rank 0 computes V_old and GAE);
 2. rank 0 broadcasts the policy's trainable (LoRA) weights, so every rank computes with the weights rank 0 holds,
    after a restore, a rollback or a switch of lineage as much as after a step;
 3. micro-batch i goes to rank i mod W; each rank runs forward and backward on its share with the loss divided by
    the whole step's trainable tokens U (``update.run``'s normalizer, the same on every rank);
-4. the gradients are summed over the ranks (``all_reduce``): Σ over micro-batches of their gradients, as on one
-   process up to the order of float additions; rank 0 clips and takes the optimizer step (the others keep no
-   optimizer: their weights come from rank 0 at the next update). The metrics' sums are combined the same way.
+4. the gradients (the LoRA's, and PPO's value head's) are summed over the ranks (``all_reduce``): Σ over
+   micro-batches of their gradients, as on one process up to the order of float additions; rank 0 clips and takes
+   the optimizer steps (the others keep no optimizer: their weights come from rank 0 at the next update). The
+   metrics' sums are combined the same way.
 
 Rank 0 builds the batches and sends them, rather than each rank building its own shard from a deterministic split,
 because what is ready is whatever the database holds at the moment of the claim, and only one process may claim it
@@ -24,7 +26,8 @@ A rank that dies ends the next collective on every rank with an error: rank 0 ha
 after the update), raises ``WorldLost`` and exits, so the launcher restarts the group (``torchrun --max-restarts``);
 the new rank 0 resumes from the last published version and what the lost step would have consumed is still ready.
 
-Not yet: sharding the frozen base (FSDP2; every rank holds the whole base model) and PPO (refused under torchrun).
+Not yet: sharding the frozen base (FSDP2; every rank holds the whole base model), and PPO's V_old pass (forward
+only, about a third of a PPO step) runs on rank 0 alone.
 """
 
 from __future__ import annotations
@@ -50,18 +53,50 @@ class WorldLost(RuntimeError):
     """A collective failed: a rank died or cannot be reached. The group must be restarted by its launcher."""
 
 
-@dataclass(frozen=True, slots=True)
-class Work:
-    """One update's data, as rank 0 sends it: the micro-batches and their tokens' advantages (``None``: stop)."""
+@dataclass(slots=True)
+class UpdateConfig:
+    """What a rank's loss reads of the trainer's configuration (``update.UpdateSettings``, ``ppo.PPOSettings``)."""
 
-    batches: list[PackedBatch]
-    credits: CreditTable
     temperature: float
     clip_low: float
     clip_high: float
     is_cap: float
+    value_coef: float = 0.0
+    value_clip: float | None = None
+    gamma: float = 1.0
+    lam: float = 1.0
+    critic_warmup_steps: int = 0
     strategy: str = ""
     max_tokens_per_bin: int = 0
+
+    @classmethod
+    def of(cls, config: Any) -> UpdateConfig:
+        return cls(
+            config.temperature,
+            config.clip_low,
+            config.clip_high,
+            config.is_cap,
+            config.value_coef,
+            config.value_clip,
+            config.gamma,
+            config.lam,
+            config.critic_warmup_steps,
+        )
+
+
+TokenTargets = tuple[dict[Any, float], dict[Any, float], dict[Any, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """One update, as rank 0 sends it: the micro-batches and their tokens' targets, GRPO's or PPO's."""
+
+    batches: list[PackedBatch]
+    config: UpdateConfig
+    credits: CreditTable | None = None  # GRPO: each trained token's advantage
+    targets: TokenTargets | None = None  # PPO: advantages, returns and V_old per token
+    head: dict[str, torch.Tensor] | None = None  # PPO: the value head's weights
+    warmup: bool = False  # PPO's critic warm-up: the value loss alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +128,12 @@ class World:
             for param in trainable(policy):
                 _collective(dist.broadcast, param.data, src=0)
 
-    def sum_gradients(self, policy: Any) -> None:
-        """Add up the trainable parameters' gradients over the ranks (a rank with none adds zeros)."""
+    def sum_gradients(self, policy: Any, extra: list[torch.nn.Parameter] | None = None) -> None:
+        """Add up the gradients of the trainable parameters (and of ``extra``: PPO's value head) over the ranks (a
+        rank with none adds zeros)."""
         import torch.distributed as dist
 
-        for param in trainable(policy):
+        for param in [*trainable(policy), *(extra or [])]:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             _collective(dist.all_reduce, param.grad, op=dist.ReduceOp.SUM)
@@ -151,23 +187,39 @@ def close(world: World | None) -> None:
 def serve(world: World, policy: Any) -> int:
     """A rank other than 0: compute gradients for every update rank 0 sends, until it says stop; the number of
     updates served."""
-    from trainer import update
-    from trainer.logprobs import sequence_logprobs
+    from trainer import ppo, update
 
     served = 0
     policy.train()
+    critic: ppo.Critic | None = None
     while True:
         work = world.send(None)
         if work is None:
             return served
         world.share_weights(policy)
-
-        def loss(batch: PackedBatch, work: Work = work) -> tuple[torch.Tensor, dict[str, float]]:
-            logp = sequence_logprobs(policy, batch, temperature=work.temperature)
-            return update.policy_term(logp, batch, work.credits.for_batch(batch), work)  # type: ignore[arg-type]
-
-        update.run(policy, None, work.batches, loss, world=world)
+        if work.targets is not None and work.head is not None:  # PPO
+            critic = critic or ppo.Critic.for_policy(policy, lr=0.0)
+            critic.head.load_state_dict(work.head)
+            critic.head.zero_grad(set_to_none=True)
+            loss = ppo.micro_batch_loss(policy, critic, work.config, work.targets, warmup=work.warmup)
+            head = list(critic.head.parameters())
+            update.run(policy, None, work.batches, loss, train_policy=not work.warmup, world=world, extra=head)
+        else:
+            assert work.credits is not None
+            update.run(policy, None, work.batches, _grpo_loss(policy, work.credits, work.config), world=world)
         served += 1
 
 
-__all__ = ["TIMEOUT", "Work", "World", "WorldLost", "close", "from_env", "serve", "trainable"]
+def _grpo_loss(policy: Any, credits: CreditTable, config: UpdateConfig) -> Any:
+    """GRPO's loss of one micro-batch, as rank 0's ``Trainer._optimize`` builds it."""
+    from trainer import update
+    from trainer.logprobs import sequence_logprobs
+
+    def loss(batch: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        logp = sequence_logprobs(policy, batch, temperature=config.temperature)
+        return update.policy_term(logp, batch, credits.for_batch(batch), config)
+
+    return loss
+
+
+__all__ = ["TIMEOUT", "UpdateConfig", "Work", "World", "WorldLost", "close", "from_env", "serve", "trainable"]

@@ -60,6 +60,7 @@ from prefix_tree import RolloutTree
 from trainer import update
 from trainer.advantages import gae, terminal_rewards
 from trainer.batch import PackedBatch
+from trainer.distributed import UpdateConfig, Work, World
 from trainer.logprobs import logprobs_from_logits
 from trainer.loss import value_loss
 from trainer.update import UpdateSettings
@@ -282,8 +283,10 @@ def optimize(
     rollout_advantages: dict[int, float] | None = None,
     call_advantages: dict[str, float] | None = None,
     progress: update.Progress | None = None,
+    world: World | None = None,
 ) -> dict[str, float]:
-    """One PPO step over ``trees`` (one rollout each, with its reward): GAE per branch, then one update.
+    """One PPO step over ``trees`` (one rollout each, with its reward): GAE per branch, then one update (shared with
+    the other ranks under torchrun: ``world``, ``distributed.py``).
 
     A tree's reward is a number (the rollout's) or a mapping from generating call to reward (a tree of turns:
     see ``branch_gae``). ``optimizer`` holds the policy's trainable (LoRA) parameters, ``critic`` the value head
@@ -306,8 +309,17 @@ def optimize(
     # One update: policy loss + value_coef · value loss (warm-up: the value loss alone, trunk frozen).
     warmup = critic.updates < config.critic_warmup_steps
     critic.optimizer.zero_grad(set_to_none=True)
-    loss = _micro_batch_loss(policy, critic, config, (advantages, returns, old_values), warmup=warmup)
-    metrics = update.run(policy, optimizer, batches, loss, train_policy=not warmup, progress=progress)
+    targets = (advantages, returns, old_values)
+    loss = micro_batch_loss(policy, critic, config, targets, warmup=warmup)
+    head = list(critic.head.parameters())
+    if world is not None:
+        state = {k: v.detach().cpu() for k, v in critic.head.state_dict().items()}
+        cfg = UpdateConfig.of(config)
+        world.send(Work(batches, cfg, targets=targets, head=state, warmup=warmup))
+        world.share_weights(policy)
+    metrics = update.run(
+        policy, optimizer, batches, loss, train_policy=not warmup, progress=progress, world=world, extra=head
+    )
     value_grad_norm = clip_grad_norm_(critic.head.parameters(), max_norm=update.MAX_GRAD_NORM)
     critic.optimizer.step()
     critic.updates += 1
@@ -374,7 +386,7 @@ def _targets(
     return advantages, returns
 
 
-def _micro_batch_loss(
+def micro_batch_loss(
     policy: Any,
     critic: Critic,
     config: PPOSettings,

@@ -327,6 +327,7 @@ class Trainer:
             rollout_advantages=per_tree,
             call_advantages=per_call,
             progress=self.progress,
+            world=self.world,
         )
         plan.advantages = {plan.usable[i].rollout.id: a for i, a in per_tree.items() if i < len(plan.usable)}
         plan.turn_advantages = {t.call_id: per_call.get(t.call_id, 0.0) for t in plan.usable_turns}
@@ -383,8 +384,7 @@ class Trainer:
 
         batches = update.pack(trees, cfg)
         if self.world is not None:
-            work = distributed.Work(batches, table, cfg.temperature, cfg.clip_low, cfg.clip_high, cfg.is_cap)
-            self.world.send(work)
+            self.world.send(distributed.Work(batches, distributed.UpdateConfig.of(cfg), credits=table))
             self.world.share_weights(self.policy)
         return update.run(self.policy, self.optimizer, batches, loss, progress=self.progress, world=self.world)
 

@@ -109,14 +109,15 @@ def run(
     train_policy: bool = True,
     progress: Progress | None = None,
     world: World | None = None,
+    extra: list[torch.nn.Parameter] | None = None,
 ) -> dict[str, float]:
     """One update of ``policy`` (whose trainable parameters ``optimizer`` holds) over ``batches``.
 
     ``loss_fn`` may reach other parameters too (PPO's value head): their gradients accumulate with the same
     normalization and their optimizer is the caller's. With ``train_policy=False`` the policy's optimizer takes no
     step (PPO's critic warm-up). With ``world`` this rank trains on its share of ``batches`` and the ranks' gradients
-    are added up; a rank other than 0 has no optimizer and takes no step. Returns the step metrics of the module
-    docstring.
+    are added up (``extra``: other parameters ``loss_fn`` reaches, PPO's value head); a rank other than 0 has no
+    optimizer and takes no step. Returns the step metrics of the module docstring.
     """
     device = policy.get_input_embeddings().weight.device
     total = float(sum(float(b.weights[b.trainable].sum()) for b in batches))
@@ -140,7 +141,7 @@ def run(
         _accumulate(sums, metrics, float(b.weights[b.trainable].sum()))
     if world is not None:
         log.info("rank %d/%d: %d tokens", world.rank, world.size, round(tokens))
-        world.sum_gradients(policy)
+        world.sum_gradients(policy, extra)
         sums, processed = _combine(world.gather((sums, processed)))
     grad_norm = 0.0
     if train_policy and optimizer is not None:
