@@ -379,3 +379,33 @@ def test_the_daemon_says_what_turns_wait_for(gateway_factory, tiny_model_dir, tm
         daemon.wait_line("0/4 turns ready, 1 await their next state, 1 await the judge")
     finally:
         daemon.stop()
+
+
+def test_a_turn_longer_than_a_forward_pass_is_set_aside_not_stuck(gateway_factory, tiny_model_dir, tmp_path):
+    """A path longer than --max-tokens-per-bin cannot be packed (truncating it would train on a context the model
+    never saw): it is consumed untrained with the reason, and the rest of the step trains."""
+    gw = gateway_factory(admin_key="adm", policy_follow=False)
+    url, adapters = gw.settings.database_url, tmp_path / "adapters"
+    short = [two_turns(gw, None, i) for i in range(3)]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Question " + "again " * 80}]
+    first = chat(gw, None, messages)
+    chat(gw, None, [*messages, first["msg"], {"role": "user", "content": "More?"}])
+    for i, (call, _, _) in enumerate(short):
+        feedback(gw, call, float(i))
+    feedback(gw, first["call"], 3.0)
+    db = connect(url)
+    try:
+        with Session(db) as session:
+            lengths = dict(session.execute(sa.select(Call.id, Call.prompt_len + Call.completion_len)).all())
+        budget = max(lengths[c] for c, _, _ in short)
+        assert lengths[first["call"]] > budget
+        trainer = Trainer(config(tiny_model_dir, url, adapters, max_tokens_per_bin=budget), db)
+        result = trainer.step()
+    finally:
+        db.dispose()
+    assert result is not None and result.trained_turns == 3 and result.metrics["too_long"] == 1.0
+    reason = f"too long: a path of {lengths[first['call']]:,} tokens exceeds --max-tokens-per-bin {budget:,}"
+    assert result.skipped[first["call"]] == reason
+    consumed = trained_turns(url)
+    assert consumed[first["call"]][2] is None, "consumed untrained"
+    assert all(consumed[c][2] is not None for c, _, _ in short)

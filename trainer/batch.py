@@ -30,8 +30,9 @@ the tree layout then needs their mean over those paths, which is what the per-pa
 Memory: ``max_tokens_per_bin`` bounds the tokens of one forward pass (rows × padded length). Trees go into bins
 by first-fit decreasing. A tree larger than the budget is split by paths into sub-forests of whole paths; nodes
 two sub-forests share are computed in each, with their trainable tokens' weights split in proportion to the kept
-paths each sub-forest holds (so the loss stays the same). A single path longer than the budget is an error: raise
-the budget (truncating a trajectory would train on a context the model never saw). The tree mask is built at
+paths each sub-forest holds (so the loss stays the same). A single path longer than the budget is an error: the
+trainer sets such a rollout or turn aside before packing (``longest_path``; consumed untrained, with the reason),
+since truncating a trajectory would train on a context the model never saw. The tree mask is built at
 forward time from a small per-node ancestor table; it takes L² bytes (boolean, SDPA) or L² · itemsize (additive,
 eager) for a bin of L ≤ budget tokens.
 
@@ -392,6 +393,11 @@ def _batch(strategy: Strategy, rows: list[_Row]) -> PackedBatch:
         nodes=torch.from_numpy(pred["nodes"].astype(np.int64)),
         linear=linear,
     )
+
+
+def longest_path(tree: RolloutTree) -> int:
+    """The tokens of ``tree``'s longest kept path: the least ``max_tokens_per_bin`` that can pack it (0: dropped)."""
+    return 0 if tree.dropped else max((leaf.end for leaf in tree.leaves()), default=0)
 
 
 def pack_trees(

@@ -61,13 +61,17 @@ from gateway.store.training_data import RolloutData, load_rollout, load_turns, t
 from prefix_tree import RolloutTree
 from trainer import distributed, lora, ppo, publish, update
 from trainer.advantages import AdvantageResult, batch_advantages, group_advantages
-from trainer.batch import PackedBatch
+from trainer.batch import PackedBatch, longest_path
 from trainer.config import TrainConfig, resolve_device
 from trainer.credit import Credit, CreditTable
 from trainer.logprobs import sequence_logprobs
 from trainer.plan import StepPlan, StepResult, group_of, served_version
 
 log = logging.getLogger("clawgate.trainer")
+
+
+def too_long(tokens: int, budget: int) -> str:
+    return f"too long: a path of {tokens:,} tokens exceeds --max-tokens-per-bin {budget:,}"
 
 
 @dataclass(slots=True)
@@ -192,6 +196,7 @@ class Trainer:
             metrics["rollouts_skipped"] = float(sum(1 for k in plan.skipped if k in consumed))
             metrics["turns_skipped"] = float(sum(1 for k in plan.skipped if k in consumed_turns))
             metrics["rollouts_stale"] = float(sum(1 for r in plan.skipped.values() if r.startswith("stale")))
+            metrics["too_long"] = float(sum(1 for r in plan.skipped.values() if r.startswith("too long")))
             version = self.version + 1
             step_id = self._publish(
                 lora.Manifest(
@@ -235,12 +240,14 @@ class Trainer:
 
     def _screen(self, plan: StepPlan) -> None:
         """Sort out what cannot train: dropped trees, missing rewards, data beyond the staleness bound."""
-        bound = self.config.max_staleness
+        bound, budget = self.config.max_staleness, self.config.max_tokens_per_bin
         for d in plan.rollouts:
             served = served_version(d)
             stale = self._behind(served)
             if d.tree.dropped:
                 plan.skipped[d.rollout.id] = f"tree dropped: {d.tree.report.dropped_reason}"
+            elif (longest := longest_path(d.tree)) > budget:
+                plan.skipped[d.rollout.id] = too_long(longest, budget)
             elif d.reward is None:
                 plan.skipped[d.rollout.id] = "no reward"
             elif bound is not None and stale > bound:
@@ -251,7 +258,9 @@ class Trainer:
         for t in plan.turns:
             served = t.policy_version or 0
             stale = self._behind(served)
-            if t.reward is None:
+            if t.length > budget:
+                plan.skipped[t.call_id] = too_long(t.length, budget)
+            elif t.reward is None:
                 plan.skipped[t.call_id] = "no reward"
             elif bound is not None and stale > bound:
                 plan.skipped[t.call_id] = f"stale: served by policy@v{served}, {stale} versions behind"

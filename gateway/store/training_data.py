@@ -147,6 +147,7 @@ class TurnData:
     harness: str | None
     policy_version: int | None
     reward: TurnReward | None
+    length: int = 0  # prompt + completion tokens: the longest path its tree can hold
 
     @property
     def baseline_key(self) -> str:
@@ -159,12 +160,20 @@ def load_turns(db: sa.Engine, call_ids: list[str]) -> list[TurnData]:
         return []
     with Session(db) as session:
         rows = session.execute(
-            sa.select(Call.id, Call.rollout_id, Call.api, Rollout.harness, Call.policy_version)
+            sa.select(
+                Call.id,
+                Call.rollout_id,
+                Call.api,
+                Rollout.harness,
+                Call.policy_version,
+                Call.prompt_len,
+                Call.completion_len,
+            )
             .join(Rollout, Rollout.id == Call.rollout_id)
             .where(Call.id.in_(call_ids))
         ).all()
         rewards = turn_rewards(session, call_ids)
-    return [TurnData(r[0], r[1], r[2], r[3], r[4], rewards.get(r[0])) for r in rows]
+    return [TurnData(r[0], r[1], r[2], r[3], r[4], rewards.get(r[0]), int(r[5]) + int(r[6])) for r in rows]
 
 
 def turn_trees(db: sa.Engine, calls: list[TurnData], secrets: str = "exclude") -> list[tuple[str, RolloutTree]]:
