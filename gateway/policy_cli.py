@@ -33,7 +33,7 @@ def register(sub: Any) -> None:
     policy.add_argument("version", nargs="?", type=int, help="the version to pin, roll back to, promote or reject")
     policy.add_argument("--json", action="store_true", help="`list` and `status` as JSON")
     policy.add_argument(
-        "--tenant", metavar="NAME", help="pin, unpin, roll back, promote or reject in this tenant's own policy"
+        "--tenant", metavar="NAME", help="status, pin, unpin, roll back, promote or reject this tenant's own policy"
     )
     policy.add_argument("--database-url", help="SQLAlchemy URL (CLAWGATE_DATABASE_URL)")
     policy.set_defaults(func=cmd_policy)
@@ -50,8 +50,8 @@ def cmd_policy(args: argparse.Namespace) -> int:
     if args.action in ("unpin", "list", "status") and args.version is not None:
         print(f"error: `clawgate policy {args.action}` takes no VERSION", file=sys.stderr)
         return 2
-    if args.tenant is not None and args.action in ("list", "status"):
-        print("error: --tenant applies to pin, unpin, rollback, promote and reject", file=sys.stderr)
+    if args.tenant is not None and args.action == "list":
+        print("error: `clawgate policy list` shows every lineage: --tenant does not apply", file=sys.stderr)
         return 2
     settings = Settings()
     database = db.connect(args.database_url or settings.database_url)
@@ -74,7 +74,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
             done = "promoted: it serves all new conversations" if args.action == "promote" else "rejected"
             print(f"policy@v{version} {done}")
         elif args.action == "status":
-            print_status(database, settings, as_json=args.json)
+            print_status(database, settings, as_json=args.json, lineage=lineage)
         else:
             print_versions(database, as_json=args.json)
     except (policy_control.UnknownVersion, promotion.NotDecidable, ValueError) as exc:
@@ -85,11 +85,11 @@ def cmd_policy(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_status(database: sa.Engine, settings: Settings, *, as_json: bool) -> None:
+def print_status(database: sa.Engine, settings: Settings, *, as_json: bool, lineage: str = "") -> None:
     from gateway.promotion.promoter import rule_of
     from gateway.promotion.status import status
 
-    out = status(database, rule_of(settings))
+    out = status(database, rule_of(settings), lineage=lineage)
     if as_json:
         print(json.dumps(out))
         return

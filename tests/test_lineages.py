@@ -6,6 +6,7 @@ contents), what served each call from the calls' own records.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -195,6 +196,7 @@ def test_a_tenant_s_first_version_earns_its_tenant_s_traffic_against_the_shared_
     beta = new_key(gw, ADMIN, tenant="beta", role="user")["key"]
     monkeypatch.setenv("CLAWGATE_KEY_SECRET", SECRET)
     assert main(["keys", "policy", "--tenant", "acme", "own", "--database-url", url]) == 0
+    capsys.readouterr()
     db = connect(url)
     try:
         config = TrainConfig(
@@ -227,6 +229,15 @@ def test_a_tenant_s_first_version_earns_its_tenant_s_traffic_against_the_shared_
         for _ in range(3):
             call = chat(gw, beta, [{"role": "user", "content": "Beta again."}])["call"]
             assert served_version(url, call) in (0, 1)
+        # `policy status --tenant`: acme's canary against the shared incumbent; the shared status is its own.
+        assert main(["policy", "status", "--tenant", "acme", "--json", "--database-url", url]) == 0
+        mine = json.loads(capsys.readouterr().out)
+        assert (mine["candidate"], mine["stage"], mine["incumbent"]) == (2, "canary", 0) and mine["arms"] is not None
+        assert main(["policy", "status", "--json", "--database-url", url]) == 0
+        shared = json.loads(capsys.readouterr().out)
+        assert shared["candidate"] == 1 and 2 not in {d["version"] for d in shared["decisions"]}
+        assert {d["version"] for d in mine["decisions"]} == {2}
+
         # The trainer waits for acme's candidate too, and an operator decides it in its own lineage.
         assert loop.promotion_gate(trainer, lineage="acme") == (False, "waiting: policy@v2 is in its canary")
         assert main(["policy", "promote", "--tenant", "acme", "--database-url", url]) == 0

@@ -13,6 +13,7 @@ from gateway.promotion.promoter import look_at
 from gateway.promotion.stats import ArmStats, Rule, half_width
 from gateway.store import promotion
 from gateway.store.models import PromotionDecision
+from gateway.store.policy_versions import SHARED
 
 
 def decision_dict(d: PromotionDecision) -> dict[str, Any]:
@@ -40,9 +41,11 @@ def arm_figures(values: list[float], errors: list[float], rule: Rule) -> dict[st
     }
 
 
-def status(db: sa.Engine, rule: Rule, *, history: int = 20) -> dict[str, Any]:
-    state = promotion.read_state(db)
-    incumbent = state.incumbent.version if state.incumbent is not None else None
+def status(db: sa.Engine, rule: Rule, *, history: int = 20, lineage: str = SHARED) -> dict[str, Any]:
+    """``lineage``'s promotion (a tenant's own policy, or the shared one): a tenant's first candidate is compared
+    with the shared incumbent, on the tenant's traffic."""
+    state = promotion.read_state(db, lineage)
+    incumbent = state.compared_with()
     out: dict[str, Any] = {
         "mode": state.mode,
         "incumbent": incumbent,
@@ -53,7 +56,7 @@ def status(db: sa.Engine, rule: Rule, *, history: int = 20) -> dict[str, Any]:
         "canary_started_at": None,
         "arms": None,
         "verdict": None,
-        "decisions": [decision_dict(d) for d in promotion.decisions(db, history)],
+        "decisions": [decision_dict(d) for d in promotion.decisions(db, history, lineage=lineage)],
     }
     undecided = state.undecided()
     if undecided is None:
@@ -62,7 +65,7 @@ def status(db: sa.Engine, rule: Rule, *, history: int = 20) -> dict[str, Any]:
     if state.canary is not None:
         canary = state.canary
         since = canary.stage_at or canary.created_at
-        verdict, ev = look_at(db, canary, incumbent, rule)
+        verdict, ev = look_at(db, canary, incumbent, rule, None if lineage == SHARED else lineage)
         out.update(
             canary_share=canary.canary_share,
             canary_started_at=since.isoformat(),

@@ -255,10 +255,16 @@ def evidence(
     return out
 
 
-def decisions(db: sa.Engine, limit: int = 50, version: int | None = None) -> list[PromotionDecision]:
+def decisions(
+    db: sa.Engine, limit: int = 50, version: int | None = None, lineage: str | None = None
+) -> list[PromotionDecision]:
+    """The newest decisions: on ``version``, or on the versions of ``lineage`` (None: of every lineage)."""
     query = sa.select(PromotionDecision).order_by(PromotionDecision.id.desc()).limit(limit)
     if version is not None:
         query = query.where(PromotionDecision.version == version)
+    if lineage is not None:
+        versions = sa.select(PolicyVersion.version).where(PolicyVersion.lineage == lineage)
+        query = query.where(PromotionDecision.version.in_(versions))
     with Session(db, expire_on_commit=False) as session:
         return list(session.scalars(query))
 
