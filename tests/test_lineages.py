@@ -46,6 +46,15 @@ def conversation(gw: Any, key: str, i: int) -> str:
     return str(first["call"])
 
 
+def train_config(model: Any, url: str, tmp_path: Any, **kw: Any) -> TrainConfig:
+    """Two steps at most, each as soon as 3 turns of a lineage are ready."""
+    trigger = Trigger(min_turns=3, interval=0.1, max_steps=2)
+    return TrainConfig(
+        model=str(model), database_url=url, adapter_dir=tmp_path / "adapters", lr=1e-2, group_wait=0.0,
+        trigger=trigger, **kw,
+    )  # fmt: skip
+
+
 def served_version(url: str, call_id: str) -> int | None:
     db = connect(url)
     try:
@@ -85,15 +94,7 @@ def test_a_tenant_lineage_trains_on_and_serves_only_its_own_tenant(
     beta_turns = {conversation(gw, beta, i) for i in range(3)}
     db = connect(url)
     try:
-        config = TrainConfig(
-            model=str(tiny_model_dir),
-            database_url=url,
-            adapter_dir=tmp_path / "adapters",
-            lr=1e-2,
-            max_staleness=8,
-            group_wait=0.0,
-            trigger=Trigger(min_turns=3, interval=0.1, max_steps=2),
-        )
+        config = train_config(tiny_model_dir, url, tmp_path, max_staleness=8)
         trainer = Trainer(config, db)  # publishes v0, the shared lineage's first version
         results: list[StepResult] = []
         assert loop.run(trainer, stop=threading.Event(), on_step=results.append) == 2
@@ -199,14 +200,7 @@ def test_a_tenant_s_first_version_earns_its_tenant_s_traffic_against_the_shared_
     capsys.readouterr()
     db = connect(url)
     try:
-        config = TrainConfig(
-            model=str(tiny_model_dir),
-            database_url=url,
-            adapter_dir=tmp_path / "adapters",
-            lr=1e-2,
-            group_wait=0.0,
-            trigger=Trigger(min_turns=3, interval=0.1, max_steps=2),
-        )
+        config = train_config(tiny_model_dir, url, tmp_path)
         trainer = Trainer(config, db)  # v0: the first version, promoted
         wait_served(gw, beta, 0)
         for i in range(3):

@@ -120,27 +120,18 @@ async def rollback(body: VersionChoice, state: State) -> dict[str, Any]:
 @router.post("/v1/policy/promote", dependencies=[GlobalAdminAuth])
 async def promote(body: OptionalVersion, state: State) -> dict[str, Any]:
     """Promote a candidate or canary now (default: the undecided one): it becomes the incumbent."""
-    return await apply(
-        state,
-        promotion.decide_by_operator,
-        "promote",
-        body.version,
-        "operator",
-        tenant=body.tenant,
-        version=body.version,
-    )
+    return await decide(state, "promote", body)
 
 
 @router.post("/v1/policy/reject", dependencies=[GlobalAdminAuth])
 async def reject(body: OptionalVersion, state: State) -> dict[str, Any]:
     """Reject a candidate or canary now (default: the undecided one): the incumbent serves everything again and the
     trainer goes on from the incumbent's weights."""
+    return await decide(state, "reject", body)
+
+
+async def decide(state: AppState, outcome: str, body: OptionalVersion) -> dict[str, Any]:
+    version = body.version
     return await apply(
-        state,
-        promotion.decide_by_operator,
-        "reject",
-        body.version,
-        "operator",
-        tenant=body.tenant,
-        version=body.version,
+        state, promotion.decide_by_operator, outcome, version, "operator", tenant=body.tenant, version=version
     )
