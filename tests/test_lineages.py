@@ -133,6 +133,16 @@ def test_a_tenant_lineage_trains_on_and_serves_only_its_own_tenant(
         assert main(["policy", "list", "--database-url", url]) == 0
         listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("policy@v2 ")]
         assert listed and " acme " in listed[0] and listed[0].endswith(" current pinned")
+        # The console's versions page: acme's version flagged, pinned in its lineage, unpinned from its row.
+        with httpx.Client(base_url=gw.url, timeout=30) as console:
+            login = console.post("/dashboard/login", data={"key": ADMIN, "next": "/dashboard/versions"})
+            assert login.status_code == 303
+            row = console.get("/dashboard/versions").text.split('data-version="2"')[1].split("</tr>")[0]
+            assert ">acme</span>" in row and '<span class="flag">pinned</span>' in row and 'class="unpin"' in row
+            done = console.post("/dashboard/policy/unpin", data={"version": "2"})
+            assert done.status_code == 303 and done.headers["location"] == "/dashboard/versions"
+        assert policy_control.read(db, "acme").pinned_version is None
+        r = httpx.post(f"{gw.v1}/policy/pin", json={"version": 2}, headers=bearer(ADMIN), timeout=30)
         r = httpx.post(f"{gw.v1}/policy/unpin", json={"tenant": "acme"}, headers=bearer(ADMIN), timeout=30)
         assert r.status_code == 200 and r.json()["lineages"]["acme"]["pinned_version"] is None
         r = httpx.post(f"{gw.v1}/policy/unpin", json={"tenant": "Not A Name"}, headers=bearer(ADMIN), timeout=30)
