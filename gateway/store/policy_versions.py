@@ -124,6 +124,11 @@ def oldest_within(session: Session, bound: int) -> int | None:
     return min(v[bound] for v in by_lineage.values())
 
 
+def of_lineage(lineage: str) -> sa.Select[int]:
+    """The versions of ``lineage``, as a subquery for another table's filter."""
+    return sa.select(PolicyVersion.version).where(PolicyVersion.lineage == lineage)
+
+
 def lineage_of_version(db: sa.Engine, version: int) -> str | None:
     """The lineage ``version`` belongs to (None: never published)."""
     with Session(db) as session:
@@ -230,6 +235,7 @@ __all__ = [
     "newest",
     "newest_first",
     "newest_not_rejected",
+    "of_lineage",
     "older_in_stages",
     "oldest_within",
     "published",

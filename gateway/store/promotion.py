@@ -263,8 +263,7 @@ def decisions(
     if version is not None:
         query = query.where(PromotionDecision.version == version)
     if lineage is not None:
-        versions = sa.select(PolicyVersion.version).where(PolicyVersion.lineage == lineage)
-        query = query.where(PromotionDecision.version.in_(versions))
+        query = query.where(PromotionDecision.version.in_(policy_versions.of_lineage(lineage)))
     with Session(db, expire_on_commit=False) as session:
         return list(session.scalars(query))
 
