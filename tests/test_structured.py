@@ -359,6 +359,142 @@ def test_batch_bitmasks_mask_each_constrained_row_as_its_own_mask_does(tiny_mode
     assert torch.isinf(logits[2, grammars.vocab_size :]).all()
 
 
+def test_batch_masks_and_single_token_rows_match_a_row_by_row_reference():
+    """``apply_bitmasks`` (one unpack and fill for the whole batch) and ``forced_tokens`` (the rows a mask leaves one
+    token) against masking and counting each row on its own, on 400 seeded random batches: empty masks, one bit
+    (the sign bit of a word too), several bits in one word, full masks, random words, any subset of rows, logits
+    as wide as the masks or wider."""
+    import numpy as np
+    import torch
+
+    from gateway.engines.sampling import apply_bitmasks, forced_tokens, mask_logits
+
+    rng = np.random.default_rng(0)
+    words, forced_seen = 4, 0
+    for _ in range(400):
+        batch = int(rng.integers(1, 9))
+        masks = rng.integers(-(2**31), 2**31, size=(batch, words), dtype=np.int64).astype(np.int32)
+        for i in range(batch):
+            kind = rng.integers(5)
+            if kind == 0:
+                masks[i] = 0
+            elif kind in (1, 2):  # one allowed token, at any bit of any word
+                masks[i] = 0
+                masks[i, rng.integers(words)] = np.array(1 << int(rng.integers(32)), dtype=np.int64).astype(np.int32)
+            elif kind == 3:  # two tokens of one word
+                masks[i] = 0
+                masks[i, rng.integers(words)] = 0b101 << int(rng.integers(29))
+            elif rng.integers(2):
+                masks[i] = -1
+        rows = sorted(int(r) for r in rng.choice(batch, size=int(rng.integers(1, batch + 1)), replace=False))
+        logits = torch.randn(batch, words * 32 + int(rng.choice([0, 5])))
+        expected = logits.clone()
+        want_forced = {}
+        for i in rows:
+            allowed = np.unpackbits(masks[i].view(np.uint8), bitorder="little").astype(bool)
+            mask_logits(allowed, expected[i])
+            if allowed.sum() == 1:
+                want_forced[i] = int(np.flatnonzero(allowed)[0])
+        apply_bitmasks(masks, logits, rows)
+        assert torch.equal(logits, expected)
+        assert forced_tokens(masks, rows) == want_forced
+        forced_seen += len(want_forced)
+    assert forced_seen > 100
+
+
+async def test_constrained_and_free_requests_sharing_a_batch_get_what_each_gets_alone(tiny_model_dir, tiny_tokenizer):
+    """Constrained and free requests join a running batch, queue for a place, leave it at their own lengths, one
+    is cancelled midway: each gets the tokens and logprobs it gets alone (the batch masks only its constrained
+    rows, each with its own grammar). Every answer validates, and a step whose grammar allowed a single token is
+    exactly a step taken without a draw: logprob 0, counted in the engine's ``forced_tokens``."""
+    import asyncio
+    import contextlib
+
+    import numpy as np
+
+    from gateway.core.structured import json_grammar
+    from gateway.engines.base import Constraint, GenerationEnd, GenerationRequest, SamplingParams, TokenDelta
+    from gateway.engines.grammar import Grammars
+    from gateway.engines.local import LocalEngine
+
+    prompt = list(
+        tiny_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
+    # (schema, max_tokens); the free ones stop at different lengths, so rows leave the batch at different steps.
+    plan = [(WEATHER, 120), (None, 9), (READ, 120), (None, 30), (ANSWER, 160), (WEATHER, 120), (None, 17), (READ, 120)]
+    cancelled = 5
+    engine = LocalEngine(str(tiny_model_dir), max_batch=4)
+    await engine.start()
+    try:
+        started = asyncio.Event()
+
+        def request(i: int) -> GenerationRequest:
+            schema, max_tokens = plan[i]
+            constraint = Constraint("json", json_grammar(schema)) if schema is not None else None
+            params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=100 + i, constraint=constraint)
+            return GenerationRequest(f"r{i}", prompt, params)
+
+        async def run(i: int, *, stop_after: int | None = None) -> tuple[list[int], list[float], str | None]:
+            tokens: list[int] = []
+            logprobs: list[float] = []
+            finish = None
+            async with contextlib.aclosing(engine.generate(request(i))) as events:
+                async for event in events:
+                    if isinstance(event, TokenDelta):
+                        tokens += event.token_ids
+                        logprobs += event.logprobs
+                        if len(tokens) >= 3:
+                            started.set()
+                        if stop_after is not None and len(tokens) >= stop_after:
+                            break
+                    elif isinstance(event, GenerationEnd):
+                        finish = event.finish_reason
+            return tokens, logprobs, finish
+
+        async def later(i: int) -> tuple[list[int], list[float], str | None]:
+            await started.wait()  # joins a batch that is already decoding
+            return await run(i, stop_after=4 if i == cancelled else None)
+
+        together = await asyncio.gather(*(run(i) if i < 2 else later(i) for i in range(len(plan))))
+        assert engine.stats["peak_batch"] == 4
+        forced_before = engine.stats["forced_tokens"]
+        alone = [await run(i) for i in range(len(plan))]
+        forced_alone = engine.stats["forced_tokens"] - forced_before
+    finally:
+        await engine.close()
+
+    grammars = Grammars(tiny_tokenizer, vocab_size=engine.vocab_size, eos_ids=engine.eos_token_ids)
+    forced = 0
+    for i, ((schema, _), (tokens, logprobs, finish), (want, want_logprobs, _)) in enumerate(
+        zip(plan, together, alone, strict=True)
+    ):
+        if i == cancelled:
+            assert tokens == want[: len(tokens)] and len(tokens) == 4
+            continue
+        assert tokens == want
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+        if schema is None:
+            assert all(p < 0 for p in want_logprobs)
+            continue
+        assert finish == "stop"
+        jsonschema.validate(json.loads(tiny_tokenizer.decode(tokens, skip_special_tokens=True)), schema)
+        matcher = grammars.matcher(json_grammar(schema))
+        for token, logprob in zip(want, want_logprobs, strict=True):
+            allowed = grammars.allowed(matcher)
+            assert allowed[token]
+            if allowed.sum() == 1:
+                assert logprob == 0.0
+                forced += 1
+            else:
+                assert logprob < 0
+            assert matcher.consume_token(token)
+    matcher = grammars.matcher(json_grammar(plan[cancelled][0]))
+    for token in alone[cancelled][0]:
+        forced += int(np.count_nonzero(grammars.allowed(matcher)) == 1)
+        assert matcher.consume_token(token)
+    assert forced > 0 and forced_alone == forced
+
+
 def test_a_constrained_answer_records_the_masked_logprobs_and_is_marked(client, gateway, tiny_model_dir):
     """The recorded logprob of each token is the one of the masked distribution it was drawn from: recomputed here
     with a plain forward of the model and the grammar's masks, independently of the engine."""

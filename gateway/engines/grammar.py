@@ -5,12 +5,16 @@ wheel with no Python dependencies, JSON schemas and Lark grammars in one dialect
 forced tool calls need), masks in well under a millisecond a token, and resource limits on every grammar so a
 pathological schema fails instead of stalling. xgrammar would pull in triton (1 GB) on a CPU machine.
 
-Its torch helper applies masks with a ``torch.compile`` kernel (seconds of compilation on the first call on a
-CPU); ``bitmasks`` fills the masks of a whole decode batch into one array instead, and the local engine unpacks
-and applies them to the batch's logits in a few array operations (``sampling.apply_bitmasks``): a step of eight
-constrained rows costs one unpack and one ``masked_fill``, not eight. ``allowed`` gives
-one matcher's mask as a bool array (for recomputing masked logprobs). This module imports no torch: the request
-core checks grammars with it in a gateway that serves through vLLM.
+Its torch helper applies masks with a ``torch.compile`` kernel (seconds of compilation on the first call on a CPU);
+``bitmasks`` fills the masks of a whole decode batch into one array instead (row by row, on the engine's worker
+thread, after the forward pass), and the local engine unpacks and applies them to the batch's logits in a few array
+operations (``sampling.apply_bitmasks``): a step of eight constrained rows costs one unpack and one ``masked_fill``,
+not eight. A row its grammar leaves a single token is not drawn from at all (``sampling.forced_tokens``,
+``forced_draw``). Filling the next step's masks on a second thread during the forward pass (the library releases the
+GIL while it computes) measured slower on two cores, not faster: that thread takes the GIL back after every row and
+at every hand-over, against the forward's own Python. ``allowed`` gives one matcher's mask as a bool array (for
+recomputing masked logprobs). This module imports no torch: the request core checks grammars with it in a gateway
+that serves through vLLM.
 
 ``Grammars`` belongs to one tokenizer. ``check`` refuses a grammar the library cannot compile (BadRequest with
 its message); ``matcher`` hands out a fresh matcher per request, copied from a compiled one kept per grammar text
@@ -89,13 +93,16 @@ class Grammars:
     def bitmasks(self, rows: list[tuple[LLMatcher, int]], batch: int) -> np.ndarray:
         """The allowed-token bitmasks of a batch of ``batch`` rows (int32, 32 tokens a word, bit set: allowed): row
         ``i`` of each ``(matcher, i)`` holds what that matcher allows next; other rows allow everything."""
-        import llguidance.numpy
-
-        masks = llguidance.numpy.allocate_token_bitmask(batch, self.vocab_size)
+        masks = np.full((batch, (self.vocab_size + 31) // 32), -1, dtype=np.int32)
         # Row by row on this thread: the library's thread pool (``fill_next_token_bitmask_par``) took twice as long
-        # for 8 rows on 2 cores, its threads competing with torch's.
+        # for 8 rows on 2 cores, its threads competing with torch's. The pointer arithmetic is that of
+        # ``llguidance.numpy.fill_next_token_bitmask``, without its per-row checks and ctypes round trip; the bound
+        # check stays, since the library writes wherever the pointer says.
+        base, stride = masks.ctypes.data, masks.strides[0]
         for matcher, i in rows:
-            llguidance.numpy.fill_next_token_bitmask(matcher, masks, i)
+            if not 0 <= i < batch:
+                raise IndexError(f"bitmask row {i} of {batch}")
+            matcher.unsafe_compute_mask_ptr(base + i * stride, stride)
         return masks
 
     def allowed(self, matcher: LLMatcher) -> np.ndarray:

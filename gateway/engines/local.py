@@ -95,7 +95,7 @@ class LocalEngine:
         self._worker: LocalWorker | None = None
         self._uses_logits_to_keep = False
         self._stats = dict.fromkeys(
-            ("requests", "generated_tokens", "decode_steps", "peak_batch", "running", "waiting"), 0
+            ("requests", "generated_tokens", "forced_tokens", "decode_steps", "peak_batch", "running", "waiting"), 0
         )
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -137,8 +137,9 @@ class LocalEngine:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counters since start (requests, generated_tokens, decode_steps, peak_batch) and the current
-        running and waiting request counts, as the worker last saw them."""
+        """Counters since start (requests, generated_tokens, forced_tokens: the generated tokens a grammar left
+        no choice but, taken without a draw; decode_steps, peak_batch) and the current running and waiting request
+        counts, as the worker last saw them."""
         return dict(self._stats)
 
     def _load(self) -> None:
@@ -176,8 +177,7 @@ class LocalEngine:
         if request.params.constraint is not None and self.grammars is not None:
             # Compiled off the event loop and off the worker (a cache hit is a copy).
             matcher = await asyncio.to_thread(self.grammars.matcher, request.params.constraint.grammar)
-        seq = self._submit(request)
-        seq.matcher = matcher
+        seq = self._submit(request, matcher)
         try:
             while True:
                 event = await seq.events.get()
@@ -190,7 +190,7 @@ class LocalEngine:
             # A consumer that stops early (client disconnect, aclose, task cancellation) ends the generation.
             seq.cancelled = True
 
-    def _submit(self, request: GenerationRequest) -> LocalSequence:
+    def _submit(self, request: GenerationRequest, matcher: Any = None) -> LocalSequence:
         if self._model is None or self._thread is None or self._closing:
             raise EngineUnavailable("the local engine is not running")
         params = request.params
@@ -216,6 +216,8 @@ class LocalEngine:
             loop=asyncio.get_running_loop(),
             events=asyncio.Queue(),
             submitted=time.perf_counter(),
+            # Set before the worker can see the sequence: it may prefill it as soon as it is in the inbox.
+            matcher=matcher,
         )
         self._inbox.put(seq)
         return seq

@@ -3,7 +3,9 @@
 The worker owns every piece of torch state; the engine hands it requests (``LocalSequence``) and adapter commands
 through a thread-safe inbox. Each loop iteration runs the adapter commands that can run, admits waiting requests
 (FIFO; a batch holds one adapter, and an unbatchable model one request), takes one decode step for the whole
-batch, then hands the step's events to their event loops in one wake-up per loop.
+batch, then hands the step's events to their event loops in one wake-up per loop. A decode step is: forward →
+mask the rows under a grammar (``_mask``: fill their bitmasks, apply them, note the rows left a single token) →
+draw each row's token, or take its single allowed one → advance each matcher past its token.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from gateway.engines import kv_batch
 from gateway.engines.adapters import AdapterCommand, ModelAdapters, resolve
 from gateway.engines.base import FinishReason, GenerationEnd, GenerationEvent, GenerationRequest, TokenDelta
 from gateway.engines.grammar import Grammars, consume
-from gateway.engines.sampling import apply_bitmasks, sample_token
+from gateway.engines.sampling import apply_bitmasks, forced_draw, forced_tokens, sample_token
 from gateway.errors import APIError, EngineError, EngineUnavailable, NotFound
 
 logger = logging.getLogger("gateway.engines.local")
@@ -220,8 +222,8 @@ class LocalWorker:
         self._stats["requests"] += 1
         logits = out.logits[:1, -1].float()
         seq.timings["prefill"] = time.perf_counter() - started
-        self._mask([seq], logits)
-        self._emit(seq, logits[0])
+        forced = self._mask([seq], logits)
+        self._emit(seq, logits[0], forced.get(0))
         if seq.done:
             return
         if not self._running:
@@ -262,29 +264,43 @@ class LocalWorker:
         )
         self._stats["decode_steps"] += 1
         logits = out.logits[:, -1].float()
-        self._mask(rows, logits)
+        forced = self._mask(rows, logits)
         for i, seq in enumerate(rows):
             seq.cached += 1
-            self._emit(seq, logits[i])
+            self._emit(seq, logits[i], forced.get(i))
         if any(seq.done for seq in rows):
             keep = [i for i, seq in enumerate(rows) if not seq.done]
             self._drop_rows(keep)
             self._running = [rows[i] for i in keep]
 
-    def _mask(self, rows: list[LocalSequence], logits: torch.Tensor) -> None:
+    def _mask(self, rows: list[LocalSequence], logits: torch.Tensor) -> dict[int, int]:
         """Mask the logits (``[len(rows), vocab]``) of the rows under a grammar to what it allows next, all rows in
-        one go. Sampled from that masked distribution, a token's recorded logprob is the masked one."""
+        one go. Sampled from that masked distribution, a token's recorded logprob is the masked one.
+
+        Returns the rows whose grammar allows a single token next, with that token: most steps of a JSON answer's
+        keys, punctuation and enum values on a small vocabulary. Those rows are not drawn from (``forced_draw``),
+        so their logits are left as they are."""
         constrained = [(seq.matcher, i) for i, seq in enumerate(rows) if seq.matcher is not None]
         if not constrained:
-            return
+            return {}
         assert self._grammars is not None
-        apply_bitmasks(self._grammars.bitmasks(constrained, len(rows)), logits, [i for _, i in constrained])
+        masks = self._grammars.bitmasks(constrained, len(rows))
+        indices = [i for _, i in constrained]
+        forced = {i: token for i, token in forced_tokens(masks, indices).items() if token < logits.shape[-1]}
+        drawn = [i for i in indices if i not in forced]
+        if drawn:
+            apply_bitmasks(masks, logits, drawn)
+        return forced
 
-    def _emit(self, seq: LocalSequence, logits: torch.Tensor) -> None:
-        """Sample the next token of ``seq`` from its (already masked) logits, send it, and finish the sequence if it
-        stops here."""
+    def _emit(self, seq: LocalSequence, logits: torch.Tensor, forced: int | None = None) -> None:
+        """Sample the next token of ``seq`` from its (already masked) logits, or take the ``forced`` one its grammar
+        alone allows, send it, and finish the sequence if it stops here."""
         params = seq.request.params
-        token, logprob, top = sample_token(logits, params, seq.generator)
+        if forced is not None:
+            token, logprob, top = forced_draw(forced, params)
+            self._stats["forced_tokens"] += 1
+        else:
+            token, logprob, top = sample_token(logits, params, seq.generator)
         if seq.matcher is not None:
             consume(seq.matcher, token)
         seq.generated += 1
