@@ -2,17 +2,19 @@
 
 Synthetic agent rollouts (a system prompt, then turns that each add a tool result and an answer to the same
 conversation: one long kept path per rollout, as tree packing sees harness traffic) are packed into micro-batches of
-``--max-tokens-per-bin`` tokens and trained with the GRPO update the trainer uses (``update.run``: LoRA on the
+``--max-tokens-per-rank`` tokens and trained with the GRPO update the trainer uses (``update.run``: LoRA on the
 attention and MLP projections, the truncated-IS PPO-clip loss), for ``--steps`` steps after one warm-up step, on 1
 and on each of ``--ranks`` processes. Every rank builds the same rollouts from one seed (the trainer proper sends
 rank 0's instead: same batches, no database here). Printed per world size: trainable tokens per second per step, the
-step's time, and peak memory per rank (CUDA: ``max_memory_allocated``; CPU: the process's peak resident set).
+step's time, and peak memory per rank (CUDA: ``max_memory_allocated``; CPU: the process's peak resident set). With
+``--shard`` the frozen base is sharded over the ranks (FSDP2, ``trainer/sharding.py``): less memory per rank.
 
 On CPU (gloo) expect little gain from 2 ranks on 2 cores: the point there is correctness. On a GPU host, with a
 random-init model of a given architecture (no download):
 
     .venv/bin/python bench/trainer_throughput.py                         # tiny model, CPU, 1 vs 2 ranks
     python bench/trainer_throughput.py --device cuda --size 8b --ranks 1,2,4,8 --rollouts 32 --turns 8
+    python bench/trainer_throughput.py --device cuda --size 14b --ranks 2,4,8 --shard --mixed-precision bf16
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def rollouts(args: argparse.Namespace, vocab: int) -> list[Any]:
 def rank_main(rank: int, size: int, port: int, args: argparse.Namespace, tiny_dir: str, out: Any) -> None:
     import torch
 
-    from trainer import distributed, lora, update
+    from trainer import distributed, lora, sharding, update
     from trainer.credit import CreditTable
     from trainer.logprobs import sequence_logprobs
 
@@ -94,10 +96,13 @@ def rank_main(rank: int, size: int, port: int, args: argparse.Namespace, tiny_di
     )
     os.environ.setdefault("LOCAL_RANK", str(rank))
     torch.set_num_threads(args.threads)
-    world = distributed.from_env(args.device) if size > 1 else None
+    world = distributed.from_env(args.device, shard=args.shard) if size > 1 else None
     device = f"cuda:{rank}" if args.device.startswith("cuda") else "cpu"
-    base = build_model(args, tiny_dir).to(device)
+    base = build_model(args, tiny_dir)
     policy = lora.new_policy(base, lora.LoraSettings(rank=args.lora_rank), gradient_checkpointing=args.checkpointing)
+    if world is not None and world.sharded:  # only this rank's shards go to the device
+        sharding.shard(policy, device=device, mixed_precision=args.mixed_precision)
+    policy.to(device)
     policy.train()
     optimizer = torch.optim.AdamW(distributed.trainable(policy), lr=1e-5) if rank == 0 else None
     trees = rollouts(args, int(base.config.vocab_size))
@@ -171,7 +176,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=96, help="system prompt tokens")
     ap.add_argument("--completion", type=int, default=24, help="tokens per answer")
     ap.add_argument("--tool", type=int, default=16, help="tokens per tool result between answers")
-    ap.add_argument("--max-tokens-per-bin", type=int, default=1024)
+    ap.add_argument("--max-tokens-per-rank", "--max-tokens-per-bin", dest="max_tokens_per_bin", type=int, default=1024)
+    ap.add_argument("--shard", action="store_true", help="shard the frozen base over the ranks (FSDP2)")
+    ap.add_argument("--mixed-precision", choices=["no", "bf16"], default="no", help="with --shard")
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     ap.add_argument("--steps", type=int, default=3)
@@ -184,7 +191,10 @@ def main() -> None:
         tiny_dir = str(Path(tmp) / "tiny")
         if args.size == "tiny":
             build_tiny_model(Path(tiny_dir), seed=0)
-        print(f"{args.rollouts} rollouts × {args.turns} calls on the {args.size} model ({args.device})", flush=True)
+        shard = ", base sharded" if args.shard else ""
+        print(
+            f"{args.rollouts} rollouts × {args.turns} calls on the {args.size} model ({args.device}{shard})", flush=True
+        )
         for size in [int(s) for s in args.ranks.split(",")]:
             measure(size, args, tiny_dir)
 

@@ -29,6 +29,7 @@ SLOW_FIRST = (
     "tests/test_gateway_vllm.py",  # ~300 s
     "tests/test_vllm_replicas.py",  # ~230 s
     "tests/test_image.py",  # 50 s with its layer cache, 6 min without
+    "tests/test_distributed_train.py",  # ~240 s
     "tests/test_engine_vllm.py",
     "tests/test_claude_code_e2e.py",
     "tests/test_trainer_daemon.py",

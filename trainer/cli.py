@@ -121,9 +121,11 @@ def _schedule_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--max-turns", dest="train_max_turns", type=int, help="turns of everyday traffic per step at most")
     g.add_argument(
         "--max-tokens-per-bin",
+        "--max-tokens-per-rank",
         dest="train_max_tokens_per_bin",
         type=int,
-        help="tokens per packed micro-batch, one forward pass (CLAWGATE_TRAIN_MAX_TOKENS_PER_BIN, default 16384)",
+        help="tokens per packed micro-batch, one forward pass of one rank: what bounds a rank's activation memory; "
+        "a longer sequence is skipped and counted (CLAWGATE_TRAIN_MAX_TOKENS_PER_BIN, default 16384)",
     )
     g.add_argument(
         "--max-staleness", dest="train_max_staleness", type=int, help="skip rollouts served this many versions back"
@@ -143,6 +145,7 @@ def _runtime_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--dtype", dest="train_dtype", choices=["float32", "bfloat16"], help="(CLAWGATE_TRAIN_DTYPE)")
     g.add_argument(
         "--gradient-checkpointing",
+        "--activation-checkpointing",
         dest="train_gradient_checkpointing",
         action="store_true",
         default=None,
@@ -214,7 +217,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"training with {settings.train_threads} CPU thread(s)", file=sys.stderr, flush=True)
     config = train_config(settings, once=args.once)
     config.trigger.max_steps = args.max_steps
-    world = distributed.from_env(resolve_device(config.device))
+    if args.mixed_precision != "no" and not args.shard:
+        print("error: --mixed-precision applies to a sharded base: add --shard", file=sys.stderr)
+        return 2
+    config.shard, config.mixed_precision = args.shard, args.mixed_precision
+    world = distributed.from_env(resolve_device(config.device), shard=config.shard)
     if world is None:
         return _train_main(args, settings, config, None)
     if not world.main:
@@ -280,12 +287,15 @@ def _train_main(
 def _serve_rank(world: distributed.World, config: Any) -> int:
     """A rank other than 0 under torchrun: the base model and a LoRA of the same shape, whose weights come from
     rank 0 at every update; no database, no adapter directory (``distributed.py``)."""
-    from trainer import distributed, lora
+    from trainer import distributed, lora, sharding
     from trainer.config import resolve_device
 
     print(f"rank {world.rank}/{world.size}: computing gradients for rank 0", file=sys.stderr, flush=True)
-    base = lora.load_base(config.model, dtype=config.dtype, device=resolve_device(config.device))
+    device = resolve_device(config.device)
+    base = lora.load_base(config.model, dtype=config.dtype, device="cpu" if world.sharded else device)
     policy = lora.new_policy(base, config.lora, gradient_checkpointing=config.gradient_checkpointing)
+    if world.sharded:  # only this rank's shards go to the device
+        sharding.shard(policy, device=device, mixed_precision=config.mixed_precision)
     try:
         served = distributed.serve(world, policy)
     except distributed.WorldLost as exc:
@@ -442,7 +452,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         "tokens (mask), or trained (off); drop: no call whose tokens held one trains (CLAWGATE_SECRETS)",
     )
     train_flags(train)
+    _distributed_flags(train)
     train.set_defaults(func=cmd_train)
+
+
+def _distributed_flags(p: argparse.ArgumentParser) -> None:
+    """Under torchrun (``trainer/distributed.py``): how the ranks hold the base model."""
+    d = p.add_argument_group("under torchrun")
+    d.add_argument(
+        "--shard",
+        action="store_true",
+        help="shard the frozen base over the ranks (FSDP2): each holds 1/WORLD_SIZE of its weights",
+    )
+    d.add_argument(
+        "--mixed-precision",
+        choices=["no", "bf16"],
+        default="no",
+        help="with --shard: compute in bfloat16 (GPUs); no: in the dtype the base was loaded in (default)",
+    )
 
 
 __all__ = ["TRAINER_BUSY", "TRAIN_FLAGS", "cmd_adapter", "cmd_train", "register", "train_config", "train_flags"]

@@ -82,6 +82,10 @@ class TrainConfig:
     critic_warmup_steps: int = 0
     gradient_checkpointing: bool = False
     device: str = "auto"  # "auto": cuda when available, else cpu
+    # Under torchrun: shard the frozen base over the ranks (FSDP2, ``sharding.py``), its computation in bfloat16
+    # with mixed_precision "bf16" ("no": the dtype it was loaded in).
+    shard: bool = False
+    mixed_precision: str = "no"
     # "group" (GRPO for rollouts with a group, a batch baseline for turns), "batch" (a batch baseline for both),
     # "critic" (PPO's value head for both; the same as algorithm="ppo").
     advantage: str = "group"
@@ -101,6 +105,8 @@ class TrainConfig:
                 f"algorithm ppo estimates advantages with its critic; advantage {self.advantage!r} "
                 "cannot be used with it"
             )
+        if self.mixed_precision not in ("no", "bf16"):
+            raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {self.mixed_precision!r}")
         if self.advantage == "critic":
             self.algorithm = "ppo"
         elif self.algorithm == "ppo":

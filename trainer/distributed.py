@@ -26,8 +26,13 @@ A rank that dies ends the next collective on every rank with an error: rank 0 ha
 after the update), raises ``WorldLost`` and exits, so the launcher restarts the group (``torchrun --max-restarts``);
 the new rank 0 resumes from the last published version and what the lost step would have consumed is still ready.
 
-Not yet: sharding the frozen base (FSDP2; every rank holds the whole base model), and PPO's V_old pass (forward
-only, about a third of a PPO step) runs on rank 0 alone.
+PPO's V_old pass (forward only, about a third of a PPO step) is shared the same way before the update: rank 0 sends
+the micro-batches and the value head (``Work.values``), each rank computes V_old on its share, and rank 0 gathers the
+sums (``ppo._old_values``).
+
+With ``--shard`` (``sharding.py``) the frozen base is sharded over the ranks with FSDP2 instead of held whole by each;
+the LoRA and everything above stay as described here. The sharded units' all-gathers need every rank in every
+forward and backward pass: a rank with fewer micro-batches than another runs a padding pass (``World.padding``).
 """
 
 from __future__ import annotations
@@ -97,12 +102,14 @@ class Work:
     targets: TokenTargets | None = None  # PPO: advantages, returns and V_old per token
     head: dict[str, torch.Tensor] | None = None  # PPO: the value head's weights
     warmup: bool = False  # PPO's critic warm-up: the value loss alone
+    values: bool = False  # PPO: only V_old of the batches (forward, no update), gathered to rank 0
 
 
 @dataclass(frozen=True, slots=True)
 class World:
     rank: int
     size: int
+    sharded: bool = False  # the base is sharded (FSDP2): every rank runs the same number of passes
 
     @property
     def main(self) -> bool:
@@ -111,6 +118,11 @@ class World:
     def indices(self, n: int) -> list[int]:
         """The micro-batches of ``n`` this rank trains on."""
         return list(range(self.rank, n, self.size))
+
+    def padding(self, n: int) -> int:
+        """The padding passes this rank runs beside its share of ``n`` micro-batches: with the base sharded, as many
+        as it has fewer than the busiest rank (every rank must join every pass's all-gathers); else none."""
+        return -(-n // self.size) - len(self.indices(n)) if self.sharded else 0
 
     def send(self, work: Work | None) -> Work | None:
         """Rank 0: send ``work`` (None: stop); the others: receive it."""
@@ -158,9 +170,10 @@ def _collective(fn: Any, *args: Any, **kwargs: Any) -> None:
         raise WorldLost(f"another trainer rank is gone ({type(exc).__name__}: {exc})") from exc
 
 
-def from_env(device: str) -> World | None:
+def from_env(device: str, *, shard: bool = False) -> World | None:
     """The process group of this launch (None: one process). ``device`` is the trainer's resolved device: NCCL on
-    GPUs (each rank on its ``LOCAL_RANK``'s GPU), gloo on CPUs."""
+    GPUs (each rank on its ``LOCAL_RANK``'s GPU), gloo on CPUs. ``shard``: the base is to be sharded
+    (``sharding.py``)."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
         return None
@@ -172,7 +185,7 @@ def from_env(device: str) -> World | None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             backend = "nccl"
         dist.init_process_group(backend=backend, timeout=TIMEOUT)
-    return World(dist.get_rank(), dist.get_world_size())
+    return World(dist.get_rank(), dist.get_world_size(), sharded=shard)
 
 
 def close(world: World | None) -> None:
@@ -197,10 +210,15 @@ def serve(world: World, policy: Any) -> int:
         if work is None:
             return served
         world.share_weights(policy)
-        if work.targets is not None and work.head is not None:  # PPO
+        if work.head is not None:  # PPO
             critic = critic or ppo.Critic.for_policy(policy, lr=0.0)
             critic.head.load_state_dict(work.head)
             critic.head.zero_grad(set_to_none=True)
+        if work.values:
+            assert critic is not None
+            world.gather(ppo.value_sums(policy, critic, work.batches, work.config.temperature, world))
+            continue
+        if work.targets is not None and critic is not None:
             loss = ppo.micro_batch_loss(policy, critic, work.config, work.targets, warmup=work.warmup)
             head = list(critic.head.parameters())
             update.run(policy, None, work.batches, loss, train_policy=not work.warmup, world=world, extra=head)

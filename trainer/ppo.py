@@ -303,7 +303,7 @@ def optimize(
     if config.value_coef < 0:
         raise ValueError(f"value_coef must be >= 0, got {config.value_coef}")
     batches = update.pack(trees, config)
-    old_values = _old_values(policy, critic, batches, config.temperature, progress)
+    old_values = _old_values(policy, critic, batches, config, progress, world)
     advantages, returns = _targets(trees, rewards, old_values, config, rollout_advantages, call_advantages)
 
     # One update: policy loss + value_coef · value loss (warm-up: the value loss alone, trunk frozen).
@@ -336,22 +336,53 @@ def optimize(
 
 
 def _old_values(
-    policy: Any, critic: Critic, batches: Sequence[PackedBatch], temperature: float, progress: update.Progress | None
+    policy: Any,
+    critic: Critic,
+    batches: Sequence[PackedBatch],
+    config: PPOSettings,
+    progress: update.Progress | None,
+    world: World | None,
 ) -> dict[TokenKey, float]:
     """V_old at every trained token, without gradient; copies of a token (per-path rows) hold the same state:
-    their mean."""
+    their mean. Under torchrun the ranks share the micro-batches as the update does and rank 0 adds up their sums."""
+    if world is not None:
+        state = {k: v.detach().cpu() for k, v in critic.head.state_dict().items()}
+        world.send(Work(list(batches), UpdateConfig.of(config), head=state, values=True))
+        world.share_weights(policy)
+    mine = value_sums(policy, critic, batches, config.temperature, world, progress)
+    total: dict[TokenKey, list[float]] = {}
+    for share in [mine] if world is None else world.gather(mine):
+        for k, (s, n) in share.items():
+            acc = total.setdefault(k, [0.0, 0.0])
+            acc[0], acc[1] = acc[0] + s, acc[1] + n
+    return {k: s / n for k, (s, n) in total.items()}
+
+
+def value_sums(
+    policy: Any,
+    critic: Critic,
+    batches: Sequence[PackedBatch],
+    temperature: float,
+    world: World | None,
+    progress: update.Progress | None = None,
+) -> dict[TokenKey, tuple[float, float]]:
+    """Σ V_old and the number of copies of every trained token of this rank's share of ``batches`` (all of them
+    without ``world``), from forward passes without gradient."""
     device = policy.get_input_embeddings().weight.device
-    sums: dict[TokenKey, list[float]] = {}
+    mine = list(range(len(batches))) if world is None else world.indices(len(batches))
+    sums: dict[TokenKey, tuple[float, float]] = {}
     with torch.no_grad():
-        for i, b in enumerate(batches):
+        for done, i in enumerate(mine):
+            b = batches[i]
             _, hidden = _forward(policy, b.to(device), temperature)
             for k, v in zip(_keys(b), critic.head(hidden).tolist(), strict=True):
-                acc = sums.setdefault(k, [0.0, 0.0])
-                acc[0] += v
-                acc[1] += 1.0
+                acc = sums.setdefault(k, (0.0, 0.0))
+                sums[k] = (acc[0] + v, acc[1] + 1.0)
             if progress is not None:
-                progress("values", i + 1, len(batches))
-    return {k: s / n for k, (s, n) in sums.items()}
+                progress("values", done + 1, len(mine))
+        for _ in range(world.padding(len(batches)) if world is not None and batches else 0):
+            _forward(policy, min(batches, key=lambda b: b.num_tokens).to(device), temperature)  # update.run's padding
+    return sums
 
 
 def _targets(

@@ -24,7 +24,8 @@ into micro-batches (bin budget, tree or path layout) but ``tokens_processed``, w
 
 Under ``torchrun`` (``world``, ``distributed.py``) each rank runs forward and backward on its share of the
 micro-batches with the same normalizer U, the gradients and metric sums are added up over the ranks, and rank 0
-alone clips and steps: the step is the one process's, up to the order of float additions.
+alone clips and steps: the step is the one process's, up to the order of float additions. With the base sharded
+(``sharding.py``) a rank with fewer micro-batches than another runs padding passes that add nothing.
 
 Pure torch on the model side; no database.
 """
@@ -139,6 +140,12 @@ def run(
         processed += b.num_tokens
         tokens += float(b.weights[b.trainable].sum())
         _accumulate(sums, metrics, float(b.weights[b.trainable].sum()))
+    if world is not None and batches:
+        for _ in range(world.padding(len(batches))):
+            # The sharded base's all-gathers need this rank in as many passes as the busiest rank: the smallest
+            # micro-batch again, its loss times 0 (a gradient of zeros, no metrics).
+            loss, _ = loss_fn(min(batches, key=lambda b: b.num_tokens).to(device))
+            (loss * 0.0).backward()
     if world is not None:
         log.info("rank %d/%d: %d tokens", world.rank, world.size, round(tokens))
         world.sum_gradients(policy, extra)
