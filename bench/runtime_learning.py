@@ -13,9 +13,11 @@ tool results — in parallel. Conversations are grouped implicitly by the gatewa
 The rule: the fraction of the reply's tokens that fall in a fixed set of 50 token ids (the reply re-tokenized with the
 model's tokenizer; a random policy scores about 50/2048). The trainer trains turns as they are rewarded, with a
 batch baseline; new versions are hot-swapped in while the user goes on. A learning-rate-0 control runs the same
-loop: its score must stay flat.
+loop: its score must stay flat. ``--counterfactuals K``: the gateway draws K siblings per served turn, the judge
+scores each group on the context alone, and a turn with a scored group is normalized within it (judge mode).
 
     .venv/bin/python bench/runtime_learning.py [--seeds 0 1] [--reward judge|feedback] [--lr 1e-2] [--timeout 420]
+        [--counterfactuals K]
 
 Prints the mean score of the turns each policy version served, and the wall time.
 """
@@ -225,10 +227,11 @@ def run(
     gain: float = 0.3,
     timeout: float = 420.0,
     workers: int = 4,
+    counterfactuals: int = 0,
     log: bool = True,
 ) -> Result:
     """One run; stops once ``min_versions`` versions served turns and the newest score ``gain`` above v0."""
-    name = f"{reward}-{seed}-{lr:g}"
+    name = f"{reward}-{seed}-{lr:g}" + (f"-k{counterfactuals}" if counterfactuals else "")
     url = f"sqlite:///{workdir / (name + '.db')}"
     rule = TargetRule(tokenizer, seed)
     port = free_port()
@@ -254,6 +257,8 @@ def run(
         "CLAWGATE_TRAIN_GROUP_WAIT": "60",
         "CLAWGATE_TRAIN_SEED": str(seed),
         "CLAWGATE_TOOL_ERROR_REWARD": "0",
+        # Siblings drawn per served turn (0: the batch baseline only); scored by the judge on the context alone.
+        "CLAWGATE_COUNTERFACTUALS": str(counterfactuals),
     }
     server = None
     if reward == "judge":
@@ -314,6 +319,9 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=420)
     ap.add_argument("--workers", type=int, default=4, help="the user's parallel conversations")
     ap.add_argument("--no-control", action="store_true", help="skip the learning-rate-0 control")
+    ap.add_argument(
+        "--counterfactuals", type=int, default=0, metavar="K", help="siblings drawn per served turn (0: batch baseline)"
+    )
     ap.add_argument("--show-output", action="store_true", help="print the end of `clawgate up`'s output")
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -339,6 +347,7 @@ def main() -> int:
                 max_turns=args.max_turns,
                 timeout=args.timeout,
                 workers=args.workers,
+                counterfactuals=args.counterfactuals,
             )
             print(
                 f"{args.reward} seed {seed} lr {lr:g}: v0 {result.v0:.3f} -> newest {result.late():.3f} "

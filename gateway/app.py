@@ -36,6 +36,7 @@ from gateway.api import keys as keys_api
 from gateway.api import policy as policy_api
 from gateway.api import rollouts as rollouts_api
 from gateway.api import system as system_api
+from gateway.core.counterfactuals import Counterfactuals
 from gateway.core.render import Renderer
 from gateway.core.response_store import ResponseStore
 from gateway.core.service import ChatService
@@ -170,6 +171,19 @@ def serving_state(
         tool_error_reward=settings.tool_error_reward,
         session_idle_timeout=settings.session_idle_timeout,
     )
+    if settings.counterfactuals:
+        service.counterfactuals = Counterfactuals(
+            engine=eng,
+            writer=writer,
+            db=database,
+            metrics=metrics,
+            k=settings.counterfactuals,
+            share=settings.counterfactual_share,
+            max_pending=settings.counterfactual_max_pending,
+            priority=settings.counterfactual_priority,
+            live=lambda: service.in_flight,
+            adapters_in_use=service.adapter_in_flight,
+        )
     names = {settings.model_name, *(a for a in settings.model_aliases if a != "*")}
     return AppState(
         settings=settings,
@@ -235,6 +249,8 @@ async def shut_down(state: AppState, tasks: list[asyncio.Task[None]], gateway_id
     for task in tasks:
         with suppress(asyncio.CancelledError):
             await task
+    if state.service.counterfactuals is not None:
+        await state.service.counterfactuals.close()
     await state.engine.close()
     await state.writer.close(timeout=30.0)
     with suppress(Exception):  # best effort (the database may be down): the lease expires anyway

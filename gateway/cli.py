@@ -40,6 +40,8 @@ SERVE_FLAGS = (
     "max_tokens",
     "log_level",
     "tool_error_reward",
+    "counterfactuals",
+    "counterfactual_share",
     "workers",
     "promotion",
     "canary_share",
@@ -70,6 +72,18 @@ def serve_flags(p: argparse.ArgumentParser) -> None:
         "--tool-error-reward",
         type=float,
         help="reward of a turn whose tool results report a failure; 0 turns the rule off (CLAWGATE_TOOL_ERROR_REWARD)",
+    )
+    p.add_argument(
+        "--counterfactuals",
+        type=int,
+        metavar="K",
+        help="extra answers drawn for a served everyday turn's prompt, off the critical path, so it trains in a group; "
+        "0: off (CLAWGATE_COUNTERFACTUALS)",
+    )
+    p.add_argument(
+        "--counterfactual-share",
+        type=float,
+        help="share of served everyday turns that get counterfactual siblings (CLAWGATE_COUNTERFACTUAL_SHARE)",
     )
 
     p.add_argument(

@@ -152,6 +152,21 @@ class Metrics:
             registry=r,
         )
         self.judgements = Gauge("clawgate_judgements", "Reward-worker verdicts by status", ["status"], registry=r)
+        self.counterfactuals_drawn = Counter(
+            "clawgate_counterfactuals_drawn",
+            "Counterfactual siblings drawn whole and recorded (extra answers to served turns' prompts)",
+            registry=r,
+        )
+        self.counterfactuals_dropped = Counter(
+            "clawgate_counterfactuals_dropped",
+            "Counterfactual siblings not drawn or not kept, by why (cap: too many groups pending; busy or preempted: "
+            "live traffic needed the engine; capture: the served call was not committed; error: the engine failed)",
+            ["reason"],
+            registry=r,
+        )
+        self.counterfactuals_judged = Gauge(
+            "clawgate_counterfactuals_judged", "Counterfactual siblings with a recorded score", registry=r
+        )
         self.policy_staleness = Gauge(
             "clawgate_policy_staleness",
             "Versions between the newest published one and the one served (0: serving the newest)",

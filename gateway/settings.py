@@ -173,6 +173,16 @@ class Settings(BaseSettings):
     reward_functions: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Next-state rule: the reward of a turn whose tool results report a failure (0 turns the rule off).
     tool_error_reward: float = -1.0
+    # Counterfactual groups (``gateway/core/counterfactuals.py``): for this share of served everyday turns, draw this
+    # many more answers to the same prompt ids off the critical path, so the turn trains in a group (0: off).
+    counterfactuals: int = Field(default=0, ge=0, le=64)
+    counterfactual_share: float = Field(default=1.0, ge=0, le=1)
+    # Groups being drawn or waiting at once; a turn offered beyond this is not drawn for (counted as dropped).
+    counterfactual_max_pending: int = Field(default=4, ge=1)
+    # The vLLM request priority of a sibling (larger: later), for a vLLM server started with
+    # `--scheduling-policy priority`; 0 (vLLM refuses any other value under its default FCFS policy): the gateway
+    # itself yields, drawing only while no live call runs and abandoning a draw when one arrives.
+    counterfactual_priority: int = Field(default=0, ge=0)
 
     # Store
     database_url: str = "sqlite:///./clawgate.db"

@@ -342,6 +342,7 @@ def _attach_logprobs(e: _Entry) -> None:
             node.logprobs[:] = np.where(keep, logprobs[lo:hi], np.nan)
             node.versions[:] = np.where(keep, version, -1)
         node.generator = None if constrained or not node.trainable.any() else e.call.id
+        node.generators = [] if node.generator is None else [*node.generators, e.call.id]
         node.constrained = constrained
         node = node.parent
 

@@ -53,6 +53,7 @@ class TreeNode:
         "depth",
         "filtered",
         "generator",
+        "generators",
         "id",
         "kept",
         "logprobs",
@@ -84,6 +85,9 @@ class TreeNode:
         # The kept call whose completion holds this node's trainable tokens (the latest, when several generated
         # the same positions); None on context. Call boundaries are node boundaries, so one call per node.
         self.generator: str | None = None
+        # Every kept call whose completion holds these trainable tokens, in time order: answers to one prompt that
+        # begin alike (a counterfactual group) share their first nodes, and each of them counts there.
+        self.generators: list[str] = []
         # The latest kept call that generated this node's tokens was constrained: they stay context (see build.py).
         self.constrained = False
 

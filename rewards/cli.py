@@ -174,6 +174,10 @@ def cmd_turns(args: argparse.Namespace) -> int:
             print(f"    judge: {row['judge_reason']}")
         if row["judge_error"]:
             print(f"    judge error: {row['judge_error']}")
+        if row["siblings"]:
+            scores = ", ".join("-" if s["reward"] is None else format(s["reward"], "+.3g") for s in row["siblings"])
+            served = "-" if row["group_reward"] is None else format(row["group_reward"], "+.3g")
+            print(f"    group: served {served} without next state; {len(row['siblings'])} siblings {scores}")
     return 0
 
 

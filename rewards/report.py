@@ -37,6 +37,14 @@ def _row(turn: turns.TurnHistory) -> dict[str, Any]:
         "judge_attempts": None if verdict is None else verdict.attempts,
         "trained_step": None if consumed is None else consumed.step_id,
         "advantage": None if consumed is None else consumed.advantage,
+        # Its counterfactual group: the served answer's score on the siblings' terms (no next state), and theirs.
+        "group_reward": None if turn.group is None else turn.group.served_reward,
+        "siblings": []
+        if turn.group is None
+        else [
+            {"id": s.id, "reward": s.reward, "finish_reason": s.finish_reason, "tokens": len(s.completion_ids)}
+            for s in turn.group.siblings
+        ],
     }
 
 

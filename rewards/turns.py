@@ -18,6 +18,7 @@ the latest exchange within the configured budget.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ import sqlalchemy as sa
 
 from gateway.credentials.redact import decode_redacted
 from gateway.credentials.tokens import tokenizer_decode  # special tokens kept (role markers, tool-call tags)
-from gateway.store import judgements
+from gateway.store import counterfactuals, judgements
 from gateway.store.secret_spans import Span, shifted
 
 Decode = Callable[[Sequence[int]], str]
@@ -100,4 +101,31 @@ def load_turn(db: sa.Engine, call_id: str, decode: Decode, limits: Limits = Limi
     )
 
 
-__all__ = ["Decode", "Limits", "TurnView", "clip", "load_turn", "tokenizer_decode"]
+def load_group(db: sa.Engine, turn: TurnView, decode: Decode, limits: Limits = Limits()) -> list[TurnView]:
+    """The turn's counterfactual group as the judge scores it, when it has one not scored yet (else empty): the served
+    answer first, then each sibling, all without the next state.
+
+    Only the served answer has a next state; a score that saw it would not compare with its siblings' (the harness's
+    reaction is evidence about that one answer). So the group is scored pointwise on the context alone, the served
+    answer too, and the served answer's verdict with its next state stays its own turn reward."""
+    group = counterfactuals.group_of(db, turn.call_id)
+    if group is None or group.judged_at is not None or not group.siblings:
+        return []
+    views = [dataclasses.replace(turn, next_state=None)]
+    for s in group.siblings:
+        # A sibling has no recorded credential spans: ``clip``'s scan of its text redacts what it finds.
+        views.append(
+            dataclasses.replace(
+                turn,
+                call_id=s.id,
+                next_state=None,
+                finish_reason=s.finish_reason,
+                policy_version=s.policy_version,
+                reply=clip(s.completion_ids, limits.reply, decode),
+                reply_token_ids=tuple(s.completion_ids.tolist()),
+            )
+        )
+    return views
+
+
+__all__ = ["Decode", "Limits", "TurnView", "clip", "load_group", "load_turn", "tokenizer_decode"]

@@ -33,10 +33,10 @@ from typing import Any
 import sqlalchemy as sa
 
 from gateway.faults import Fault, describe
-from gateway.store import judgements
+from gateway.store import counterfactuals, judgements
 from rewards.functions import RewardFunction, RewardFunctionError
 from rewards.judge import Judge, JudgeError, JudgeResult, UnparseableAnswer, Usage
-from rewards.turns import Decode, Limits, TurnView, load_turn
+from rewards.turns import Decode, Limits, TurnView, load_group, load_turn
 
 log = logging.getLogger("clawgate.judge")
 JUDGE_SOURCE = "judge"
@@ -69,6 +69,7 @@ class WorkerStats:
     completion_tokens: int = 0
     cost_usd: float = 0.0
     judge_seconds: float = 0.0
+    groups_judged: int = 0  # counterfactual groups scored (served answer and siblings, without next state)
 
     @property
     def mean_score(self) -> float | None:
@@ -215,6 +216,8 @@ class RewardWorker:
         except LookupError as error:
             await self._finish(call_id, rollout_id, token, "failed", [], error=str(error))
             return
+        if not await self._judge_group(call_id, token, turn):
+            return
         rewards, errors = await self._call_functions(call_id, turn)
         if self.judge is None:
             await self._finish(call_id, rollout_id, token, "done", rewards, error="; ".join(errors) or None)
@@ -222,6 +225,45 @@ class RewardWorker:
         result = await self._score(self.judge, turn, call_id, rollout_id, token, attempts, rewards)
         if result is not None:
             await self._record_judged(call_id, rollout_id, token, turn, result, rewards, errors)
+
+    async def _judge_group(self, call_id: str, token: str, turn: TurnView) -> bool:
+        """Score the turn's counterfactual group, if it has one not scored yet (``turns.load_group``: all answers on the
+        context alone), before the turn's own verdict, so no turn is ready to train before its group's scores exist.
+        A member's score is the judge's plus the reward functions'. False: the judge was unreachable, the turn was
+        given back and waits like any other."""
+        views = await asyncio.to_thread(load_group, self.db, turn, self.decode, self.config.limits)
+        if not views:
+            return True
+        scores: list[float | None] = []
+        for view in views:
+            rewards, _ = await self._call_functions(view.call_id, view)
+            total: float | None = sum(r.value for r in rewards) if rewards else None
+            if self.judge is not None:
+                try:
+                    result = await self.judge.score(view)
+                except UnparseableAnswer as error:
+                    self.stats.add_usage(error.usage)
+                    total = None
+                except JudgeError as error:
+                    if error.kind == "outage":
+                        self._judge_down(str(error))
+                        await asyncio.to_thread(
+                            judgements.release, self.db, call_id, token, retry_in=0.0, attempt=False, error=str(error)
+                        )
+                        return False
+                    total = None
+                else:
+                    self.stats.add_usage(result.usage)
+                    total = (total or 0.0) + result.verdict.score
+            scores.append(total)
+        siblings = {
+            v.call_id: counterfactuals.SiblingScore(score)
+            for v, score in zip(views[1:], scores[1:], strict=True)
+            if score is not None
+        }
+        await asyncio.to_thread(counterfactuals.record_scores, self.db, call_id, scores[0], siblings)
+        self.stats.groups_judged += 1
+        return True
 
     async def _call_functions(self, call_id: str, turn: TurnView) -> tuple[list[judgements.NewReward], list[str]]:
         """Each reward function's reward of the turn, and the errors of those that raised."""

@@ -33,6 +33,8 @@ TABLES = {
     "tenants",
     "api_keys",
     "quota_usage",
+    "counterfactual_groups",
+    "counterfactuals",
 }
 
 

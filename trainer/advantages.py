@@ -47,6 +47,7 @@ __all__ = [
     "gae",
     "group_advantages",
     "terminal_rewards",
+    "turn_advantages",
 ]
 
 Baseline = Literal["mean", "leave_one_out"]
@@ -189,6 +190,36 @@ def batch_advantages(
     which is why the trainer waits for ``min_turns`` ready turns before it steps.
     """
     return group_advantages(rewards, keys, scale_by_std=scale_by_std, eps=eps)
+
+
+def turn_advantages(
+    rewards: Mapping[str, float],
+    keys: Mapping[str, str],
+    groups: Mapping[str, Mapping[str, float]],
+    *,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+) -> AdvantageResult:
+    """Advantages of everyday turns: GRPO within a turn's counterfactual group where it has one, else the batch
+    baseline.
+
+    ``groups`` maps a served turn's call id to the comparable rewards of its group (its own under its call id, and
+    each scored sibling's): those members are normalized against each other only — answers to the same prompt, so the
+    prompt's difficulty cancels out. The other turns of ``rewards`` get ``batch_advantages`` by ``keys``. A group is
+    skipped as a whole (reported under its served turn) when its rewards are all equal.
+    """
+    plain = {i: r for i, r in rewards.items() if i not in groups}
+    batch = batch_advantages(plain, keys, scale_by_std=scale_by_std, eps=eps)
+    members = {m: r for members in groups.values() for m, r in members.items()}
+    keyed = {m: f"group:{served}" for served, members in groups.items() for m in members}
+    grouped = group_advantages(members, keyed, scale_by_std=scale_by_std, eps=eps)
+    skipped = dict(batch.skipped)
+    skipped.update({served: grouped.skipped[served] for served in groups if served in grouped.skipped})
+    return AdvantageResult(
+        advantages={**batch.advantages, **grouped.advantages},
+        skipped=skipped,
+        groups={**batch.groups, **grouped.groups},
+    )
 
 
 def _scale(r: FloatArray) -> float:

@@ -2,9 +2,10 @@
 
 A rollout of a task run has one advantage for all its trained tokens (GRPO broadcasts it over every branch). A
 tree built from turns of everyday traffic holds several calls, each rewarded on its own: a token's advantage is
-that of the call that generated it (``TreeNode.generator``; call boundaries are node boundaries, so it is one
-number per node). Both are a table of one value per node per tree; a prediction reads its target's entry
-through ``(rollout_index, nodes)``, which every ``PackedBatch`` carries.
+that of the call that generated it (``TreeNode.generators``; call boundaries are node boundaries, so it is one
+number per node; where several calls generated the same tokens after the same prompt, as a counterfactual group's
+answers that begin alike, the mean of theirs). Both are a table of one value per node per tree; a prediction reads
+its target's entry through ``(rollout_index, nodes)``, which every ``PackedBatch`` carries.
 
 Pure numpy/torch; no database.
 """
@@ -30,9 +31,14 @@ def node_table(tree: RolloutTree, credit: Credit) -> npt.NDArray[np.float64]:
         if not node.trainable.any():
             continue
         if isinstance(credit, Mapping):
-            if node.generator is None or node.generator not in credit:
-                raise ValueError(f"node {node.id}: no advantage for its generating call {node.generator!r}")
-            table[node.id] = credit[node.generator]
+            generators = node.generators or ([node.generator] if node.generator is not None else [])
+            missing = [g for g in generators if g not in credit]
+            if not generators or missing:
+                call = missing[0] if missing else None
+                raise ValueError(f"node {node.id}: no advantage for its generating call {call!r}")
+            # A node several calls generated alike (answers to one prompt that begin the same) counts once, with the
+            # mean of their advantages: what per-path sequences give when each token is weighted 1/(paths through it).
+            table[node.id] = sum(credit[g] for g in generators) / len(generators)
         else:
             table[node.id] = credit
     return table

@@ -10,7 +10,9 @@ Two kinds of data, trained together in one step:
   their rollout closed (``gateway/store/turns.py``), even while the session goes on. With one sample per prompt
   there is no group: their advantage uses a batch baseline per harness (``advantages.batch_advantages``), and only
   the turn's own completion tokens carry it (``credit.py``); a turn is consumed once per epoch
-  (``trained_turns``).
+  (``trained_turns``). A turn the gateway drew counterfactual siblings for, once they and it were scored on the
+  same terms, is normalized within that group instead (``advantages.turn_advantages``) and its siblings train as
+  branches beside it, sharing its prompt.
 
 ``advantage="batch"`` puts rollouts on a batch baseline too (per harness); ``"critic"`` (``algorithm="ppo"``) uses
 PPO's value head for both (``ppo.optimize``: GAE per branch for rollouts, per turn for turns) and saves the head
@@ -59,8 +61,8 @@ from gateway.store.policy_versions import SHARED
 from gateway.store.readiness import ready_rollouts, stale_rollouts, stale_turns
 from gateway.store.training_data import RolloutData, load_rollout, load_turns, turn_trees
 from prefix_tree import RolloutTree
-from trainer import distributed, lora, ppo, publish, update
-from trainer.advantages import AdvantageResult, batch_advantages, group_advantages
+from trainer import distributed, lora, ppo, publish, sharding, update
+from trainer.advantages import AdvantageResult, batch_advantages, group_advantages, turn_advantages
 from trainer.batch import PackedBatch, longest_path
 from trainer.config import TrainConfig, resolve_device
 from trainer.credit import Credit, CreditTable
@@ -95,27 +97,31 @@ class Trainer:
         # Called as progress(phase, batches done, batches) while a step runs (`clawgate train` draws a bar).
         self.progress: Callable[[str, int, int], None] | None = None
         torch.manual_seed(config.seed)
-        base = lora.load_base(config.model, dtype=config.dtype, device=resolve_device(config.device))
+        device, sharded = resolve_device(config.device), world is not None and world.sharded
+        # A base to be sharded stays in host memory: only its shards go to the device (``sharding.shard``).
+        base = lora.load_base(config.model, dtype=config.dtype, device="cpu" if sharded else device)
         latest = publish.recover(db, config.adapter_dir)
         # The version whose weights the policy holds: the newest published one, unless guarded promotion rejected
         # it (then the newest not rejected: training goes on from weights that earned their traffic).
-        self.parent = 0
+        self.parent, path = 0, None
         if latest is None:
             self.policy = lora.new_policy(base, config.lora, gradient_checkpointing=config.gradient_checkpointing)
             self.version = 0
-            self.critic = self._critic(None)
+        else:
+            self.parent = policy_versions.newest_not_rejected(db) or 0
+            path = lora.version_path(config.adapter_dir, self.parent)
+            self.policy = lora.load_policy(base, path, gradient_checkpointing=config.gradient_checkpointing)
+            self.version = latest
+        if sharded:
+            sharding.shard(self.policy, device=device, mixed_precision=config.mixed_precision)
+        self.critic = self._critic(path)
+        if latest is None:
             self._publish(
                 lora.Manifest(version=0, base_model=config.model, lora=asdict(config.lora)),
                 step=None,
                 consumed={},
                 metrics={},
             )
-        else:
-            self.parent = policy_versions.newest_not_rejected(db) or 0
-            path = lora.version_path(config.adapter_dir, self.parent)
-            self.policy = lora.load_policy(base, path, gradient_checkpointing=config.gradient_checkpointing)
-            self.version = latest
-            self.critic = self._critic(path)
         self.policy.train()
         self.optimizer = self._new_optimizer()
         self.lineage = SHARED  # the lineage whose weights the policy holds
@@ -284,9 +290,11 @@ class Trainer:
         else:
             keys = {d.rollout.id: f"rollouts:{d.rollout.harness or 'unknown'}" for d in plan.usable}
             result = batch_advantages(rewards, keys, scale_by_std=cfg.scale_by_std)
-        turn_result = batch_advantages(
+        # A turn with a counterfactual group is normalized within it (answers to its own prompt), the rest in the batch.
+        turn_result = turn_advantages(
             {t.call_id: t.reward.value for t in plan.usable_turns if t.reward is not None},
             {t.call_id: t.baseline_key for t in plan.usable_turns},
+            {t.call_id: t.group.rewards for t in plan.usable_turns if t.group is not None and t.group.has_baseline},
             scale_by_std=cfg.scale_by_std,
         )
         plan.skipped.update(result.skipped)
@@ -296,7 +304,7 @@ class Trainer:
         plan.trained_turns = [t for t in plan.usable_turns if t.call_id in plan.turn_advantages]
         trees: list[RolloutTree] = [d.tree for d in plan.trained]
         credits: list[Credit] = [plan.advantages[d.rollout.id] for d in plan.trained]
-        for _, tree in turn_trees(self.db, plan.trained_turns, cfg.tree.secrets):
+        for _, tree in turn_trees(self.db, plan.trained_turns, cfg.tree.secrets, siblings=True):
             trees.append(tree)
             credits.append(plan.turn_advantages)
         log.info(

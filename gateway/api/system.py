@@ -74,6 +74,7 @@ async def metrics(state: State) -> Response:
     m.turns_waiting.labels("judge").set(counts.turns.awaiting_judge)
     for status in ("running", *turns.FINAL):
         m.judgements.labels(status).set(counts.judgements.get(status, 0))
+    m.counterfactuals_judged.set(counts.counterfactuals_judged)
     if counts.newest is not None and state.service.policy_version is not None:
         m.policy_staleness.set(counts.newest - state.service.policy_version)
     return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

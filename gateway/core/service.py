@@ -29,6 +29,7 @@ import sqlalchemy as sa
 from gateway.bounded import ExpiringSet
 from gateway.core.continuity import Continuity
 from gateway.core.conversation import Message, ToolCall, exact_hash, extend_hash, output_hash
+from gateway.core.counterfactuals import Counterfactuals
 from gateway.core.job import ChatJob, ChoiceDelta, ChoiceResult, PlannedCall
 from gateway.core.parsers import get_parser
 from gateway.core.parsers.base import OutputParser, ParsedOutput
@@ -144,6 +145,8 @@ class ChatService:
         # Calls generating now, and the most allowed at once (0: no limit); more are refused with a 503.
         self.in_flight = 0
         self.max_in_flight = max_in_flight
+        # Draws counterfactual siblings of served turns in the background (None: off); see counterfactuals.py.
+        self.counterfactuals: Counterfactuals | None = None
 
     # -- state others change through these ------------------------------------------------------------------
     @property
@@ -450,6 +453,8 @@ class ChatService:
             self.writer.submit(rule, reserved=True)
         self.writer.submit(record, reserved=True)  # room reserved by _admit: never refused
         self.writer.release(slots - 1 - (rule is not None))
+        if outcome.status == "ok" and self.counterfactuals is not None:
+            self.counterfactuals.offer(prep, index)
         if (meter := prep.job.rollout.usage) is not None:  # a quota's tokens: the prompt once, every completion
             meter.charge(len(got.ids) + (len(prep.prompt_ids) if index == 0 else 0))
         m, api = self.metrics, prep.job.api

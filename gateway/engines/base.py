@@ -55,6 +55,9 @@ class GenerationRequest:
     # The rollout the call belongs to: an engine behind a router sends it as the session key, so that every call
     # of a rollout lands on the replica that holds its prefix cache.
     session_id: str | None = None
+    # vLLM's request priority under `--scheduling-policy priority` (larger: scheduled later, preempted first); 0 is
+    # every live call's, and the only value vLLM accepts under its default FCFS policy. The local engine ignores it.
+    priority: int = 0
 
 
 @dataclass(slots=True)

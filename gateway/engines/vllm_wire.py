@@ -123,6 +123,8 @@ def completion_body(
     }
     if params.seed is not None:
         body["seed"] = params.seed
+    if request.priority:
+        body["priority"] = request.priority
     if params.constraint is not None:
         # An llguidance Lark grammar (``%json`` and token references): vLLM's "auto" backend hands what xgrammar
         # cannot read to guidance. The mask is applied to the logits before sampling, so the processed logprobs

@@ -442,3 +442,41 @@ class QuotaUsage(Base):
     minute: Mapped[int] = mapped_column(sa.BigInteger, primary_key=True)
     requests: Mapped[int] = mapped_column(sa.BigInteger, default=0, server_default="0")
     tokens: Mapped[int] = mapped_column(sa.BigInteger, default=0, server_default="0")
+
+
+class CounterfactualGroup(Base):
+    """The counterfactual group of a served turn (``gateway/core/counterfactuals.py``): ``k`` siblings were asked
+    for, the rows of ``counterfactuals`` are those that were drawn whole. ``served_reward`` is the served answer's
+    score on the same terms as its siblings' (pointwise, without its next state), so the group's rewards compare."""
+
+    __tablename__ = "counterfactual_groups"
+
+    call_id: Mapped[str] = mapped_column(sa.String(40), sa.ForeignKey("calls.id"), primary_key=True)
+    rollout_id: Mapped[str] = mapped_column(sa.String(128), sa.ForeignKey("rollouts.id"), index=True)
+    k: Mapped[int] = mapped_column(sa.Integer)
+    drawn: Mapped[int] = mapped_column(sa.Integer)
+    served_reward: Mapped[float | None] = mapped_column(sa.Float)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    judged_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+
+
+class Counterfactual(Base):
+    """An extra answer drawn for a served turn's exact prompt ids with its sampling settings and policy version,
+    off the critical path. Never returned to a client, never spliced, never a parent: it lives only here (its
+    prompt is its turn's), so nothing that serves, links or continues conversations can see it."""
+
+    __tablename__ = "counterfactuals"
+
+    id: Mapped[str] = mapped_column(sa.String(40), primary_key=True)
+    call_id: Mapped[str] = mapped_column(sa.String(40), sa.ForeignKey("calls.id"), index=True)
+    rollout_id: Mapped[str] = mapped_column(sa.String(128), sa.ForeignKey("rollouts.id"), index=True)
+    adapter: Mapped[str | None] = mapped_column(sa.String)
+    policy_version: Mapped[int | None] = mapped_column(sa.Integer)
+    engine: Mapped[str] = mapped_column(sa.String)
+    finish_reason: Mapped[str | None] = mapped_column(sa.String)
+    completion_ids: Mapped[bytes] = mapped_column(sa.LargeBinary)  # little-endian uint32
+    completion_logprobs: Mapped[bytes] = mapped_column(sa.LargeBinary)  # little-endian float32
+    completion_len: Mapped[int] = mapped_column(sa.Integer)
+    reward: Mapped[float | None] = mapped_column(sa.Float)
+    details: Mapped[dict[str, Any] | None] = mapped_column(JSONValue)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from gateway.store import policy_versions, turns
 from gateway.store.lineages import scope
-from gateway.store.models import Call, Judgement, Reward, Rollout, TrainedRollout, TrainedTurn
+from gateway.store.models import Call, Counterfactual, Judgement, Reward, Rollout, TrainedRollout, TrainedTurn
 
 
 def ready_condition(epoch: int | None, lineage: str | None = None) -> tuple[sa.ColumnElement[bool], ...]:
@@ -128,6 +128,7 @@ class TrainingCounts:
     turns: turns.Backlog  # turns of everyday traffic: ready, waiting for their next state or the judge
     turns_trained: int
     judgements: dict[str, int]  # reward-worker verdicts by status
+    counterfactuals_judged: int  # counterfactual siblings with a score
     newest: int | None  # the newest published version
 
 
@@ -137,6 +138,9 @@ def training_counts(db: sa.Engine, await_judge: bool) -> TrainingCounts:
         done = session.scalar(sa.select(sa.func.count(sa.distinct(TrainedRollout.rollout_id))))
         turns_done = session.scalar(sa.select(sa.func.count(sa.distinct(TrainedTurn.call_id))))
         verdicts = dict(session.execute(sa.select(Judgement.status, sa.func.count()).group_by(Judgement.status)).all())
+        siblings_judged = session.scalar(
+            sa.select(sa.func.count()).select_from(Counterfactual).where(Counterfactual.reward.is_not(None))
+        )
         newest = policy_versions.newest(session)
     return TrainingCounts(
         rollouts_ready=int(ready or 0),
@@ -144,6 +148,7 @@ def training_counts(db: sa.Engine, await_judge: bool) -> TrainingCounts:
         turns=turns.backlog(db, 0, await_judge=await_judge),
         turns_trained=int(turns_done or 0),
         judgements={str(k): int(v) for k, v in verdicts.items()},
+        counterfactuals_judged=int(siblings_judged or 0),
         newest=newest,
     )
 

@@ -40,6 +40,8 @@ import sqlalchemy as sa
 
 from gateway.store.models import (
     Call,
+    Counterfactual,
+    CounterfactualGroup,
     Judgement,
     Reward,
     Rollout,
@@ -61,6 +63,8 @@ MAX_TRIES = 5
 
 # The tables in the report, in the order rows are deleted.
 TABLES = (
+    "counterfactuals",
+    "counterfactual_groups",
     "rewards",
     "judgements",
     "secret_findings",
@@ -131,6 +135,8 @@ def _chunks(values: Sequence[T], size: int = CHUNK) -> Iterator[Sequence[T]]:
 
 def _tables() -> dict[str, sa.Table]:
     models: Iterable[Any] = (
+        Counterfactual,
+        CounterfactualGroup,
         Reward,
         Judgement,
         SecretFinding,
@@ -272,7 +278,8 @@ def _delete_batch(
     report.trained_versions |= _trained_versions(connection, calls, rollout_ids)
 
     # Per call: rows naming a call, the parent's link to it, the Responses-API answers stored with it.
-    for name in ("rewards", "judgements", "secret_findings", "trained_turns"):
+    per_call = ("counterfactuals", "counterfactual_groups", "rewards", "judgements", "secret_findings", "trained_turns")
+    for name in per_call:
         deleted[name] += _delete_where(connection, name, "call_id", calls)
     _unlink_parents(connection, parents)
     responses = _responses_of(connection, calls)

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from gateway.credentials.tokens import COMPLETION
 from gateway.store import codec, repo
+from gateway.store.counterfactuals import Group, groups_of
 from gateway.store.models import Call, Reward, Rollout, SecretFinding
 from gateway.store.secret_spans import Span, sequence_spans
 from gateway.store.turns import TurnReward, turn_rewards
@@ -148,6 +149,8 @@ class TurnData:
     policy_version: int | None
     reward: TurnReward | None
     length: int = 0  # prompt + completion tokens: the longest path its tree can hold
+    # Its counterfactual group (``counterfactuals.py``), when siblings were drawn for it.
+    group: Group | None = None
 
     @property
     def baseline_key(self) -> str:
@@ -173,20 +176,72 @@ def load_turns(db: sa.Engine, call_ids: list[str]) -> list[TurnData]:
             .where(Call.id.in_(call_ids))
         ).all()
         rewards = turn_rewards(session, call_ids)
-    return [TurnData(r[0], r[1], r[2], r[3], r[4], rewards.get(r[0]), int(r[5]) + int(r[6])) for r in rows]
+        groups = groups_of(session, call_ids)
+
+    def length(prompt_len: int, completion_len: int, group: Group | None) -> int:
+        # Its siblings share its prompt: the longest of their paths is what a forward pass must hold.
+        answers = [completion_len, *(len(s.completion_ids) for s in (group.scored if group else []))]
+        return prompt_len + max(answers)
+
+    return [
+        TurnData(
+            r[0], r[1], r[2], r[3], r[4], rewards.get(r[0]), length(r[5], r[6], groups.get(r[0])), groups.get(r[0])
+        )
+        for r in rows
+    ]
 
 
-def turn_trees(db: sa.Engine, calls: list[TurnData], secrets: str = "exclude") -> list[tuple[str, RolloutTree]]:
-    """One tree per rollout holding just the given turns (shared prefixes once; other calls are context)."""
+def turn_trees(
+    db: sa.Engine, calls: list[TurnData], secrets: str = "exclude", *, siblings: bool = False
+) -> list[tuple[str, RolloutTree]]:
+    """One tree per rollout holding just the given turns (shared prefixes once; other calls are context);
+    ``siblings``: with the scored counterfactual siblings of turns whose group has a baseline, as branches beside
+    their turn's answer (one shared prompt)."""
     by_rollout: dict[str, set[str]] = {}
     for t in calls:
         by_rollout.setdefault(t.rollout_id, set()).add(t.call_id)
+    groups = {t.call_id: t.group for t in calls if siblings and t.group is not None and t.group.has_baseline}
     out: list[tuple[str, RolloutTree]] = []
     with Session(db) as session:
         for rollout_id, only in sorted(by_rollout.items()):
             views = call_views(session, rollout_id, only, secrets)
+            if groups:
+                held = _with_findings(session, [v.id for v in views if v.id in groups]) if secrets != "off" else set()
+                views += [
+                    v
+                    for view in views
+                    if view.id in groups
+                    for v in sibling_views(view, groups[view.id], view.id in held)
+                ]
             out.append((rollout_id, build_tree(views, dataclasses.replace(TURN_TREE, secrets=secrets))))
     return out
+
+
+def _with_findings(session: Session, call_ids: list[str]) -> set[str]:
+    """Those of the calls with a credential found in their new prompt tokens or their answer."""
+    if not call_ids:
+        return set()
+    return set(session.scalars(sa.select(SecretFinding.call_id).where(SecretFinding.call_id.in_(call_ids))))
+
+
+def sibling_views(served: CallView, group: Group, held: bool = False) -> list[CallView]:
+    """The scored siblings of ``served`` as calls of the same prompt. Their answers were never scanned for
+    credentials: when the served call held one (``held``: it may sit in the shared prompt, and a sibling may repeat
+    it), they stay out of the loss."""
+    return [
+        CallView(
+            id=s.id,
+            prompt_ids=served.prompt_ids,
+            completion_ids=s.completion_ids,
+            completion_logprobs=s.completion_logprobs,
+            started_at=served.started_at + 1e-6 * (i + 1),
+            status="ok",
+            policy_version=s.policy_version,
+            finish_reason=s.finish_reason,
+            untrained=((0, len(s.completion_ids)),) if held else (),
+        )
+        for i, s in enumerate(group.scored)
+    ]
 
 
 def rollout_ids(
@@ -212,5 +267,6 @@ __all__ = [
     "load_turns",
     "rollout_ids",
     "rollout_reward",
+    "sibling_views",
     "turn_trees",
 ]

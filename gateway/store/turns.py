@@ -25,6 +25,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from gateway.credentials.tokens import COMPLETION
+from gateway.store.counterfactuals import Group, groups_of
 from gateway.store.lineages import scope
 from gateway.store.models import Call, Judgement, Reward, Rollout, SecretFinding, TrainedTurn
 
@@ -206,6 +207,7 @@ class TurnHistory:
     reward: TurnReward | None
     verdict: Judgement | None
     trained: TrainedTurn | None  # the latest epoch that consumed it
+    group: Group | None = None  # its counterfactual siblings and their scores, when drawn
 
 
 def turn_history(db: sa.Engine, *, rollout_id: str | None = None, limit: int = 20) -> list[TurnHistory]:
@@ -224,8 +226,11 @@ def turn_history(db: sa.Engine, *, rollout_id: str | None = None, limit: int = 2
             sa.select(TrainedTurn).where(TrainedTurn.call_id.in_(ids)).order_by(TrainedTurn.epoch)
         ):
             trained[t.call_id] = t
+        groups = groups_of(session, ids)
     return [
-        TurnHistory(call, status, rewards.get(call.id), verdicts.get(call.id), trained.get(call.id))
+        TurnHistory(
+            call, status, rewards.get(call.id), verdicts.get(call.id), trained.get(call.id), groups.get(call.id)
+        )
         for call, status in rows
     ]
 

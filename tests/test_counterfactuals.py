@@ -1,0 +1,276 @@
+"""Counterfactual groups: siblings drawn for served turns off the critical path, never seen by a client nor spliced,
+recorded with the exact tokens and logprobs the engine sampled, capped, judged on the siblings' terms, and trained
+in a group normalized per prompt."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+import torch
+from sqlalchemy.orm import Session
+
+from gateway.core import counterfactuals as drawer_module
+from gateway.store import counterfactuals, judgements
+from gateway.store.db import connect
+from gateway.store.models import Call, Counterfactual, TrainedTurn
+from gateway.store.training_data import load_turns, turn_trees
+from rewards.functions import RewardFunction
+from rewards.report import turn_rows
+from rewards.turns import TurnView, tokenizer_decode
+from rewards.worker import RewardWorker, WorkerConfig
+from trainer.advantages import ZERO_VARIANCE, group_advantages, turn_advantages
+from trainer.config import TrainConfig
+from trainer.step import Trainer
+
+ADMIN = {"Authorization": "Bearer adm"}
+K = 3
+
+
+def chat(gw: Any, messages: list[dict[str, Any]], **extra: Any) -> tuple[str, str, dict[str, Any]]:
+    """One served call: (its call id, its rollout id, the answer message)."""
+    body = {"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 1.0, **extra}
+    r = httpx.post(gw.v1 + "/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert len(data["choices"]) == 1, "the client gets its own answer only"
+    message = data["choices"][0]["message"]
+    message["content"] = message.get("content") or ""
+    return r.headers["x-clawgate-call-id"], r.headers["x-clawgate-rollout-id"], message
+
+
+def settle(gw: Any) -> None:
+    """Wait until every group offered so far was drawn and recorded (or dropped)."""
+    drawer = gw.state.service.counterfactuals
+    asyncio.run_coroutine_threadsafe(drawer.idle(), gw.loop).result(timeout=120)
+    gw.flush()
+
+
+def metric(gw: Any, line_start: str) -> float:
+    for line in httpx.get(gw.url + "/metrics").text.splitlines():
+        if line.startswith(line_start + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.fixture
+def gw(gateway_factory: Any) -> Any:
+    return gateway_factory(admin_key="adm", policy_follow=False, counterfactuals=K)
+
+
+def test_siblings_are_recorded_with_the_logprobs_they_were_sampled_with(gw, tiny_model_dir):
+    call_id, _, _ = chat(gw, [{"role": "user", "content": "Name a colour."}])
+    settle(gw)
+    db = connect(gw.settings.database_url)
+    group = counterfactuals.group_of(db, call_id)
+    assert group is not None and group.k == K and len(group.siblings) == K
+    turn = judgements.recorded_turn(db, call_id)
+    assert turn is not None
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompt = turn.prompt.tolist()
+    for sibling in group.siblings:
+        ids = sibling.completion_ids.tolist()
+        assert ids, "a sibling is an answer"
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[0].float()
+        rows = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(ids)], dim=-1)
+        expected = [float(rows[i, t]) for i, t in enumerate(ids)]
+        assert sibling.completion_logprobs.tolist() == pytest.approx(expected, abs=2e-4)
+        assert sibling.policy_version == turn.policy_version
+    assert metric(gw, "clawgate_counterfactuals_drawn_total") == K
+    db.dispose()
+
+
+def test_siblings_are_never_served_nor_spliced(gw):
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Say something."}]
+    served, rollout, answer = chat(gw, messages)
+    settle(gw)
+    db = connect(gw.settings.database_url)
+    group = counterfactuals.group_of(db, served)
+    assert group is not None and group.siblings
+    with Session(db) as session:
+        call_ids = set(session.scalars(sa.select(Call.id)))
+        assert call_ids == {served}, "siblings are no calls: nothing can continue or serve them"
+    tokenizer = gw.state.tokenizer
+    sibling_text = tokenizer.decode(group.siblings[0].completion_ids.tolist(), skip_special_tokens=True)
+    # A client continuing its own answer is spliced onto the served call.
+    follow, follow_rollout, _ = chat(gw, [*messages, answer, {"role": "user", "content": "More."}])
+    # A client sending a sibling's text as if it had been the answer is not spliced onto anything of ours.
+    echoed = {"role": "assistant", "content": sibling_text + " (edited)"}
+    other, _, _ = chat(gw, [*messages, echoed, {"role": "user", "content": "More."}])
+    settle(gw)
+    with Session(db) as session:
+        follow_row, other_row = session.get(Call, follow), session.get(Call, other)
+        assert follow_row is not None and other_row is not None
+        assert follow_row.parent_call_id == served and follow_row.render_mode == "spliced"
+        assert follow_rollout == rollout
+        sibling_ids = {s.id for s in group.siblings}
+        assert other_row.parent_call_id not in sibling_ids and other_row.render_mode != "spliced"
+        assert session.get(Call, served).next_call_id == follow  # type: ignore[union-attr]
+        parents = set(session.scalars(sa.select(Call.parent_call_id)))
+        assert not parents & sibling_ids
+    db.dispose()
+
+
+def test_the_cap_holds_and_drops_are_counted(gateway_factory, monkeypatch):
+    gw = gateway_factory(admin_key="adm", policy_follow=False, counterfactuals=2, counterfactual_max_pending=1)
+    drawer = gw.state.service.counterfactuals
+    busy = {"live": 1}
+    monkeypatch.setattr(drawer_module, "IDLE_WAIT_S", 60.0)
+    drawer.live = lambda: busy["live"]  # a live call holds the engine: the first group waits for it
+    first, _, _ = chat(gw, [{"role": "user", "content": "One."}])
+    chat(gw, [{"role": "user", "content": "Two."}])
+    chat(gw, [{"role": "user", "content": "Three."}])
+    assert drawer.pending == 1, "one group pending at most"
+    assert metric(gw, 'clawgate_counterfactuals_dropped_total{reason="cap"}') == 4, "two turns' two siblings each"
+    busy["live"] = 0
+    settle(gw)
+    db = connect(gw.settings.database_url)
+    with Session(db) as session:
+        assert set(session.scalars(sa.select(Counterfactual.call_id))) == {first}
+    assert metric(gw, "clawgate_counterfactuals_drawn_total") == 2
+    db.dispose()
+
+
+def test_a_live_call_preempts_a_sibling_and_the_group_keeps_what_was_whole(gateway_factory):
+    gw = gateway_factory(admin_key="adm", policy_follow=False, counterfactuals=3)
+    drawer = gw.state.service.counterfactuals
+    seen = {"n": 0}
+
+    def live() -> int:
+        # Live traffic arrives while the second sibling is generating.
+        seen["n"] += 1
+        return 1 if seen["n"] > 16 else 0
+
+    drawer.live = live
+    call_id, _, _ = chat(gw, [{"role": "user", "content": "Tell me a long story about the sea and ships."}])
+    settle(gw)
+    db = connect(gw.settings.database_url)
+    group = counterfactuals.group_of(db, call_id)
+    dropped = metric(gw, 'clawgate_counterfactuals_dropped_total{reason="preempted"}') + metric(
+        gw, 'clawgate_counterfactuals_dropped_total{reason="busy"}'
+    )
+    drawn = 0 if group is None else len(group.siblings)
+    assert dropped >= 1 and drawn + dropped == 3, "every sibling asked for is drawn or counted as dropped"
+    db.dispose()
+
+
+# --- advantages -------------------------------------------------------------------------------------------------
+def test_group_advantages_are_per_prompt_and_the_rest_keep_the_batch_baseline():
+    rewards = {"a": 0.3, "b": 0.0, "c": 1.0, "d": 0.9}
+    keys = dict.fromkeys(rewards, "api:chat")
+    groups = {"a": {"a": 1.0, "a1": 0.0, "a2": 0.5}, "d": {"d": 0.2, "d1": 0.2}}
+    result = turn_advantages(rewards, keys, groups)
+    in_group = group_advantages(groups["a"], dict.fromkeys(groups["a"], "g"))
+    for member in ("a", "a1", "a2"):
+        assert result.advantages[member] == pytest.approx(in_group.advantages[member])
+    assert result.advantages["a"] > 0, "its own reward (0.3) is below the batch's; within its group it is the best"
+    assert result.advantages["c"] == pytest.approx(-result.advantages["b"]) and result.advantages["c"] > 0
+    assert result.skipped == {"d": ZERO_VARIANCE}, "a group without variance says so under its served turn"
+    assert "d1" not in result.advantages
+
+
+def test_the_trainer_trains_a_group_normalized_within_its_prompt(gw, tiny_model_dir, tmp_path):
+    turns = []
+    for i in range(3):
+        turns.append(chat(gw, [{"role": "user", "content": f"Question {i}?"}]))
+        settle(gw)  # a live call would preempt the siblings still being drawn
+    db = connect(gw.settings.database_url)
+    for (call_id, rollout, _), value in zip(turns, (0.3, 0.0, 1.0), strict=True):
+        r = httpx.post(gw.url + "/v1/feedback", json={"call_id": call_id, "value": value}, headers=ADMIN)
+        assert r.status_code == 201, r.text
+        r = httpx.post(f"{gw.url}/v1/rollouts/{rollout}/finish", json={"status": "completed"}, headers=ADMIN)
+        assert r.status_code == 200, r.text
+    grouped = turns[0][0]
+    group = counterfactuals.group_of(db, grouped)
+    assert group is not None and len(group.siblings) == K
+    scores = {s.id: counterfactuals.SiblingScore(v) for s, v in zip(group.siblings, (0.0, 0.5, 0.5), strict=True)}
+    assert counterfactuals.record_scores(db, grouped, 1.0, scores)
+    (data,) = [t for t in load_turns(db, [grouped]) if t.call_id == grouped]
+    ((_, tree),) = turn_trees(db, [data], siblings=True)
+    generators = {n.generator for n in tree.nodes if n.trainable.any()}
+    assert generators <= {grouped, *scores} and generators & set(scores), "the siblings are branches of the tree"
+    config = TrainConfig(
+        model=str(tiny_model_dir), database_url=gw.settings.database_url, adapter_dir=tmp_path / "a", lr=1e-2
+    )
+    result = Trainer(config, db).step()
+    assert result is not None and result.trained_turns == 3
+    with Session(db) as session:
+        trained = {t.call_id: t.advantage for t in session.scalars(sa.select(TrainedTurn))}
+    expected = group_advantages(
+        group_rewards := {grouped: 1.0, **{k: v.value for k, v in scores.items()}}, dict.fromkeys(group_rewards, "g")
+    ).advantages[grouped]
+    assert trained[grouped] == pytest.approx(expected)
+    assert trained[turns[2][0]] == pytest.approx(-trained[turns[1][0]]) and trained[turns[2][0]] > 0
+    db.dispose()
+
+
+# --- judging ----------------------------------------------------------------------------------------------------
+def test_the_worker_scores_the_group_without_next_state(gw):
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Hello?"}]
+    call_id, _, answer = chat(gw, messages)
+    settle(gw)
+    chat(gw, [*messages, answer, {"role": "user", "content": "And then?"}])  # the first turn's next state
+    settle(gw)
+    seen: list[TurnView] = []
+
+    def length(turn: TurnView) -> float:
+        seen.append(turn)
+        return float(len(turn.reply_token_ids))
+
+    db = connect(gw.settings.database_url)
+    worker = RewardWorker(
+        db,
+        tokenizer_decode(gw.state.tokenizer),
+        functions=[RewardFunction("length", length)],
+        config=WorkerConfig(interval=0.05),
+    )
+    assert asyncio.run(worker.run_once()) == 1
+    group = counterfactuals.group_of(db, call_id)
+    assert group is not None and group.judged_at is not None
+    assert group.served_reward is not None and all(s.reward is not None for s in group.siblings)
+    assert [s.reward for s in group.siblings] == [float(len(s.completion_ids)) for s in group.siblings]
+    with_next = [t for t in seen if t.next_state is not None]
+    assert [t.call_id for t in with_next] == [call_id], "the served answer's own verdict sees its next state"
+    members = [t for t in seen if t.next_state is None]
+    assert sorted(t.call_id for t in members) == sorted([call_id, *(s.id for s in group.siblings)])
+    assert metric(gw, "clawgate_counterfactuals_judged") == K
+    assert asyncio.run(worker.run_once()) == 0, "a group is scored once"
+    (row,) = [r for r in turn_rows(db) if r["call_id"] == call_id]
+    assert row["group_reward"] == group.served_reward
+    assert [s["reward"] for s in row["siblings"]] == [s.reward for s in group.siblings], "`clawgate turns` shows them"
+    db.dispose()
+
+
+def test_vllm_gets_the_siblings_priority_and_live_calls_none():
+    from gateway.engines.base import GenerationRequest, SamplingParams
+    from gateway.engines.vllm_wire import completion_body
+
+    def body(priority: int) -> dict[str, Any]:
+        request = GenerationRequest("r", [1, 2], SamplingParams(max_tokens=4), priority=priority)
+        return completion_body(request, model="m", max_model_len=0, eos_token_ids=())
+
+    assert body(10)["priority"] == 10
+    assert "priority" not in body(0), "a live call's body is as before (vLLM under FCFS refuses other priorities)"
+
+
+def test_tokens_a_group_shares_get_the_mean_of_its_advantages():
+    from gateway.store.training_data import TURN_TREE
+    from prefix_tree import CallView, build_tree
+    from trainer.batch import pack_trees
+    from trainer.credit import CreditTable
+
+    def view(cid: str, completion: list[int], t: float) -> CallView:
+        return CallView(cid, [1, 2, 3], completion, [-1.0] * len(completion), started_at=t, status="ok")
+
+    tree = build_tree([view("served", [10, 11, 12], 0.0), view("sib", [10, 13], 1.0)], TURN_TREE)
+    credit = {"served": 1.0, "sib": -0.5}
+    (batch,) = pack_trees([tree], "tree", 4096)
+    adv = CreditTable([tree], [credit]).for_batch(batch)
+    got = dict(zip(batch.targets[batch.trainable].tolist(), adv[batch.trainable].tolist(), strict=True))
+    assert got == {10: 0.25, 11: 1.0, 12: 1.0, 13: -0.5}, "the shared first token counts once, with the mean"
