@@ -128,6 +128,9 @@ class Settings(BaseSettings):
     train_threads: int | None = Field(default=None, ge=1)
     train_dtype: Literal["float32", "bfloat16"] = "float32"
     train_gradient_checkpointing: bool = False
+    # Under torchrun: shard the frozen base over the ranks (FSDP2), and compute a sharded base in bfloat16 ("bf16").
+    train_shard: bool = False
+    train_mixed_precision: Literal["no", "bf16"] = "no"
     train_lora_rank: int = Field(default=8, ge=1)
     train_lora_alpha: int = Field(default=16, ge=1)
     train_seed: int = 0

@@ -212,15 +212,18 @@ def test_the_learning_check_rises_with_two_ranks_and_its_lr_0_control_stays_flat
     assert abs(control[1] - control[0]) < 0.05 and max(control) < 0.1, control
 
 
-def test_mixed_precision_without_shard_is_refused(tmp_path):
+@pytest.mark.parametrize("given", ["flag", "env"])
+def test_mixed_precision_without_shard_is_refused(tmp_path, given):
+    """Given by the flag or by its variable (CLAWGATE_TRAIN_MIXED_PRECISION), with sharding off
+    (CLAWGATE_TRAIN_SHARD=false)."""
     url = f"sqlite:///{tmp_path / 'none.db'}"
-    run = subprocess.run(
-        [sys.executable, "-m", "clawgate.cli", "train", "--once", "--database-url", url, "--mixed-precision", "bf16"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    command = [sys.executable, "-m", "clawgate.cli", "train", "--once", "--database-url", url]
+    env = {**os.environ, "CLAWGATE_TRAIN_SHARD": "false"}
+    if given == "flag":
+        command += ["--mixed-precision", "bf16"]
+    else:
+        env["CLAWGATE_TRAIN_MIXED_PRECISION"] = "bf16"
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "add --shard" in run.stderr, run.stderr[-2000:]
     assert not (tmp_path / "none.db").exists(), "refused before anything was opened"
 
@@ -245,7 +248,7 @@ def test_the_kubernetes_example_launches_what_it_says():
     assert int(port) == service["spec"]["ports"][0]["port"] and service["spec"]["clusterIP"] == "None"
     assert launch.module and launch.training_script == "clawgate.cli"
     train = build_parser().parse_args(launch.training_script_args)
-    assert train.func.__name__ == "cmd_train" and train.shard and train.train_max_tokens_per_bin == 8192
+    assert train.func.__name__ == "cmd_train" and train.train_shard and train.train_max_tokens_per_bin == 8192
     settings = [e["name"] for e in container["env"] if e["name"].startswith("CLAWGATE_")]
     assert {"CLAWGATE_DATABASE_URL", "CLAWGATE_MODEL", "CLAWGATE_ADAPTER_DIR"} <= set(settings)
     assert all(name.removeprefix("CLAWGATE_").lower() in Settings.model_fields for name in settings)

@@ -63,7 +63,17 @@ TRAIN_FLAGS = (
     "secrets",
 )
 # What `clawgate train` builds its settings from.
-TRAIN_SETTINGS = ("model", "database_url", "log_level", "data_dir", "gateway_url", "promotion_margin", *TRAIN_FLAGS)
+TRAIN_SETTINGS = (
+    "model",
+    "database_url",
+    "log_level",
+    "data_dir",
+    "gateway_url",
+    "promotion_margin",
+    "train_shard",
+    "train_mixed_precision",
+    *TRAIN_FLAGS,
+)
 
 
 def train_flags(p: argparse.ArgumentParser) -> None:
@@ -217,10 +227,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"training with {settings.train_threads} CPU thread(s)", file=sys.stderr, flush=True)
     config = train_config(settings, once=args.once)
     config.trigger.max_steps = args.max_steps
-    if args.mixed_precision != "no" and not args.shard:
+    if settings.train_mixed_precision != "no" and not settings.train_shard:
         print("error: --mixed-precision applies to a sharded base: add --shard", file=sys.stderr)
         return 2
-    config.shard, config.mixed_precision = args.shard, args.mixed_precision
+    config.shard, config.mixed_precision = settings.train_shard, settings.train_mixed_precision
     world = distributed.from_env(resolve_device(config.device), shard=config.shard)
     if world is None:
         return _train_main(args, settings, config, None)
@@ -461,14 +471,18 @@ def _distributed_flags(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("under torchrun")
     d.add_argument(
         "--shard",
-        action="store_true",
-        help="shard the frozen base over the ranks (FSDP2): each holds 1/WORLD_SIZE of its weights",
+        dest="train_shard",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="shard the frozen base over the ranks (FSDP2): each holds 1/WORLD_SIZE of its weights "
+        "(CLAWGATE_TRAIN_SHARD)",
     )
     d.add_argument(
         "--mixed-precision",
+        dest="train_mixed_precision",
         choices=["no", "bf16"],
-        default="no",
-        help="with --shard: compute in bfloat16 (GPUs); no: in the dtype the base was loaded in (default)",
+        help="with --shard: compute in bfloat16 (GPUs); no: in the dtype the base was loaded in "
+        "(CLAWGATE_TRAIN_MIXED_PRECISION, default no)",
     )
 
 
