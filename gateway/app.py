@@ -41,7 +41,7 @@ from gateway.core.render import Renderer
 from gateway.core.response_store import ResponseStore
 from gateway.core.service import ChatService
 from gateway.core.sessions import SessionIndex
-from gateway.credentials.tokens import RecordScanner
+from gateway.credentials.tokens import AnswerScanner, RecordScanner
 from gateway.dashboard import routes as console_routes
 from gateway.end_of_turn import end_token_ids, generation_eos_ids
 from gateway.engines.base import Engine
@@ -183,6 +183,8 @@ def serving_state(
             priority=settings.counterfactual_priority,
             live=lambda: service.in_flight,
             adapters_in_use=service.adapter_in_flight,
+            parse=service.parse_answer,
+            scan=None if settings.secrets == "off" else AnswerScanner(tok, drop=settings.secrets == "drop"),
         )
     names = {settings.model_name, *(a for a in settings.model_aliases if a != "*")}
     return AppState(

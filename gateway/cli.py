@@ -243,7 +243,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Rollouts with their calls, rewards and trees as JSON lines."""
+    """Rollouts with their calls (each with its counterfactual group), rewards and trees as JSON lines."""
     import json
 
     from gateway.store import db, exports, rollout_lifecycle
@@ -257,7 +257,9 @@ def cmd_export(args: argparse.Namespace) -> int:
             # Recorded first: a forget while the file is being written still finds it.
             exports.record(database, Path(args.out), ids)
         for n, rollout_id in enumerate(ids, 1):
-            record = rollout_lifecycle.detail(database, rollout_id, with_tokens=not args.no_tokens, raw=args.raw)
+            record = rollout_lifecycle.detail(
+                database, rollout_id, with_tokens=not args.no_tokens, raw=args.raw, counterfactuals=True
+            )
             data = load_rollout(database, rollout_id, _tree_config(args), redact=not args.raw)
             if data is not None:
                 record["tree"] = data.tree.to_json(include_tokens=not args.no_tokens)
@@ -292,7 +294,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     _tree_flags(tree)
     tree.set_defaults(func=cmd_tree)
 
-    export = sub.add_parser("export", help="export rollouts with calls, rewards and trees as JSONL")
+    export = sub.add_parser(
+        "export", help="export rollouts with calls (each with its counterfactual group), rewards and trees as JSONL"
+    )
     export.add_argument("--out", default="-", help="output file (default: stdout)")
     export.add_argument("--status", help="only rollouts with this status (open, completed, failed, aborted)")
     export.add_argument("--limit", type=int)

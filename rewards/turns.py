@@ -113,7 +113,7 @@ def load_group(db: sa.Engine, turn: TurnView, decode: Decode, limits: Limits = L
         return []
     views = [dataclasses.replace(turn, next_state=None)]
     for s in group.siblings:
-        # A sibling has no recorded credential spans: ``clip``'s scan of its text redacts what it finds.
+        # Its credential spans were found when it was drawn; ``clip``'s scan of its text redacts what else it finds.
         views.append(
             dataclasses.replace(
                 turn,
@@ -121,7 +121,7 @@ def load_group(db: sa.Engine, turn: TurnView, decode: Decode, limits: Limits = L
                 next_state=None,
                 finish_reason=s.finish_reason,
                 policy_version=s.policy_version,
-                reply=clip(s.completion_ids, limits.reply, decode),
+                reply=clip(s.completion_ids, limits.reply, decode, s.secret_spans or ()),
                 reply_token_ids=tuple(s.completion_ids.tolist()),
             )
         )

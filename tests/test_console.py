@@ -4,10 +4,11 @@ A gateway on the tiny model serves task rollouts and everyday turns under three 
 way the trainer does and followed by the gateway), with rollout rewards, per-call feedback, a retried call and train
 steps. Then a browser: the console asks for the admin key (a wrong one is refused), every page loads with no console
 error, the charts are drawn from the data (one point per version that served rewarded turns), and a rollout's page
-shows its decoded calls, coloured tokens, rewards and the retry the tree filtered. Under guarded promotion the versions
-page shows each version's stage, a running canary's arms (the same figures as ``GET /v1/policy``), the verdict so far
-and the decisions, and its buttons promote or reject the candidate. Screenshots of every page land in the test's tmp
-dir (``screenshots/``).
+shows its decoded calls, coloured tokens, rewards and the retry the tree filtered; with counterfactual groups on, a
+turn's siblings are shown apart from its answer, decoded token by token, with their finish reasons and scores beside
+the served answer's (and credentials hidden). Under guarded promotion the versions page shows each version's stage, a
+running canary's arms (the same figures as ``GET /v1/policy``), the verdict so far and the decisions, and its buttons
+promote or reject the candidate. Screenshots of every page land in the test's tmp dir (``screenshots/``).
 
 The versions are published with distinct non-zero adapters, and after every pin, unpin, rollback, promotion and
 rejection from the console a greedy completion through the gateway must be the served version's reference ids (base
@@ -29,13 +30,18 @@ import httpx
 import pytest
 from sqlalchemy.orm import Session
 
-from gateway.dashboard import auth, charts, routes
+from gateway.credentials.tokens import token_span, tokenizer_decode
+from gateway.dashboard import auth, charts, rollout_page, routes
 from gateway.promotion.stats import ArmStats, Rule, decide
+from gateway.store import counterfactuals
+from gateway.store.counterfactuals import SiblingScore
 from gateway.store.db import connect
 from gateway.store.models import TrainStep
 from gateway.store.policy_control import Control
 from tests.missing import missing
 from tests.policies import PROBE, assert_serves, distinct_references, publish, served_ids
+from tests.secret_corpus import corpus
+from tests.test_counterfactuals import settle
 from tests.test_promotion import ADMIN as PROMOTION_ADMIN
 from tests.test_promotion import GUARDED, User, stage
 
@@ -438,6 +444,69 @@ def test_a_decision_on_evidence_shows_both_arms_and_every_text_is_escaped():
     )  # fmt: skip
     assert '<span class="stage stage-evaluating">evaluating</span> <b>policy@v3</b> serves no traffic' in html
     assert 'name="version" value="3"' in html
+
+
+def test_a_turns_counterfactual_siblings_show_their_text_finish_and_score_beside_the_served_answer(
+    gateway_factory, chromium_path, tmp_path
+):
+    gw = gateway_factory(admin_key=ADMIN_KEY, policy_follow=False, counterfactuals=3, max_tokens=12)
+    served = chat(gw.v1, "Name a colour.", temperature=1.0)
+    call_id, rollout_id = served.headers["x-clawgate-call-id"], served.headers["x-clawgate-rollout-id"]
+    settle(gw)
+    store = connect(gw.settings.database_url)
+    try:
+        group = counterfactuals.group_of(store, call_id)
+        assert group is not None and len(group.siblings) == 3
+        first, second, _ = group.siblings  # the third stays unscored
+        scores = {first.id: SiblingScore(0.25, {"reason": "<b>too short</b>"}), second.id: SiblingScore(0.75)}
+        assert counterfactuals.record_scores(store, call_id, 0.5, scores)
+    finally:
+        store.dispose()
+    decode = tokenizer_decode(gw.state.tokenizer)
+    errors: list[str] = []
+    with browser_page(chromium_path, errors) as page:
+        page.goto(gw.url + "/dashboard/login")
+        page.fill("#key", ADMIN_KEY)
+        page.click("button[type=submit]")
+        page.goto(f"{gw.url}/dashboard/rollouts/{rollout_id}")
+        call = page.locator(f'[id="call-{call_id}"]')
+        served_tokens = served.json()["usage"]["completion_tokens"]
+        assert call.locator(":scope > .tokens .tok").count() == served_tokens, "the served answer stands apart"
+        box = call.locator(".counterfactuals")
+        assert box.count() == 1, "the turn's counterfactual group is shown"
+        assert "never served to the client" in box.locator(":scope > .muted").inner_text()
+        assert box.locator("tr.served td.score").inner_text() == "0.5"
+        assert box.locator("div.sibling").count() == 3
+        for sibling, score in zip(group.siblings, ("0.25", "0.75", "not scored"), strict=True):
+            row = box.locator(f'tr.sibling-score[data-sibling="{sibling.id}"]')
+            assert row.locator("td.score").inner_text() == score
+            assert row.locator("td.finish").inner_text() == (sibling.finish_reason or "—")
+            shown = box.locator(f'div.sibling[data-sibling="{sibling.id}"]')
+            ids = sibling.completion_ids.tolist()
+            assert shown.locator(".tok").count() == len(ids), "each sibling token with its logprob"
+            assert shown.locator(".tokens").text_content() == "".join(decode([t]) for t in ids)
+            header = shown.locator(".muted").inner_text()
+            assert "never served" in header and f"score {score} (served answer 0.5)" in header, header
+        assert "<b>too short</b>" in box.inner_text(), "a judge's reason shown as text"
+        page.screenshot(path=str(tmp_path / "rollout-group.png"), full_page=True)
+    assert not errors, errors
+
+
+def test_a_sibling_repeating_a_credential_of_its_prompt_shows_a_placeholder(tiny_tokenizer):
+    decode = tokenizer_decode(tiny_tokenizer)
+    planted = next(p for p in corpus() if p.name == "env password")  # alone, only recognisable as a repeat
+    prompt = decode(tiny_tokenizer.encode(f"read .env:\n{planted.line}\nthanks", add_special_tokens=False))
+    answer = tiny_tokenizer.encode(f"It is {planted.value}, keep it safe.", add_special_tokens=False)
+    sibling = {"completion_token_ids": answer, "secrets": None}  # drawn with no scan (``secrets=off``)
+    assert planted.value in "".join(rollout_page.sibling_pieces(sibling, [], decode)), "a scan alone misses it"
+    shown = "".join(rollout_page.sibling_pieces(sibling, rollout_page.prompt_secrets(prompt), decode))
+    assert planted.value not in shown and shown.startswith("It is") and "keep it safe." in shown
+    assert "[secret redacted: Repeated Secret Assignment]" in shown
+    # What the scan found when the sibling was drawn is hidden as a call's recorded spans are.
+    start, end = token_span(answer, decode, 6, 6 + len(planted.value))
+    sibling["secrets"] = [{"kind": "Secret Keyword", "start": start, "end": end}]
+    shown = "".join(rollout_page.sibling_pieces(sibling, [], decode))
+    assert planted.value not in shown and "[secret redacted: Secret Keyword]" in shown
 
 
 def test_a_forged_or_expired_session_is_refused():

@@ -5,6 +5,7 @@ in a group normalized per prompt."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -20,7 +21,7 @@ from gateway.store.models import Call, Counterfactual, TrainedTurn
 from gateway.store.training_data import load_turns, turn_trees
 from rewards.functions import RewardFunction
 from rewards.report import turn_rows
-from rewards.turns import TurnView, tokenizer_decode
+from rewards.turns import TurnView, load_group, load_turn, tokenizer_decode
 from rewards.worker import RewardWorker, WorkerConfig
 from trainer.advantages import ZERO_VARIANCE, group_advantages, turn_advantages
 from trainer.config import TrainConfig
@@ -274,3 +275,87 @@ def test_tokens_a_group_shares_get_the_mean_of_its_advantages():
     adv = CreditTable([tree], [credit]).for_batch(batch)
     got = dict(zip(batch.targets[batch.trainable].tolist(), adv[batch.trainable].tolist(), strict=True))
     assert got == {10: 0.25, 11: 1.0, 12: 1.0, 13: -0.5}, "the shared first token counts once, with the mean"
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "exec",
+            "description": "Run a shell command.",
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.mark.parametrize("secrets", ["exclude", "mask", "drop"])
+def test_siblings_are_read_as_their_call_is_parsed_and_scanned(gateway_factory, tiny_tokenizer, secrets):
+    """A sibling that calls a tool finishes "tool_calls" with the call parsed; one that holds a credential has its
+    spans recorded, redacted for the judge and kept out of the loss as a served call's would be (with ``drop``, its
+    tokens and text are gone before anything is stored)."""
+    from gateway.credentials.tokens import filler_token
+    from gateway.store.training_data import sibling_views
+    from prefix_tree import CallView
+    from tests.fakes import ScriptedEngine
+    from tests.secret_corpus import corpus
+
+    key = next(p for p in corpus(0) if p.name == "openai key")
+    engine = ScriptedEngine(tiny_tokenizer)
+    gw = gateway_factory(
+        engine=engine,
+        tokenizer=tiny_tokenizer,
+        admin_key="adm",
+        policy_follow=False,
+        counterfactuals=K,
+        secrets=secrets,
+        max_tokens=128,
+    )
+    engine.push("Sure.")
+    engine.push('<tool_call>\n{"name": "exec", "arguments": {"command": "ls"}}\n</tool_call>')
+    leak = engine.push(f"Set it: {key.line}")
+    engine.push("Plain words.")
+    call_id, _, message = chat(gw, [{"role": "user", "content": "List the files."}], tools=TOOLS, max_tokens=80)
+    assert message["content"] == "Sure." and not message.get("tool_calls")
+    settle(gw)
+    db = connect(gw.settings.database_url)
+    group = counterfactuals.group_of(db, call_id)
+    assert group is not None and len(group.siblings) == K
+    [tool] = [s for s in group.siblings if s.message["tool_calls"]]
+    [plain] = [s for s in group.siblings if s.message["content"] == "Plain words."]
+    [secret] = [s for s in group.siblings if s not in (tool, plain)]
+    assert tool.finish_reason == "tool_calls" and tool.secret_spans == ()
+    assert tool.message["tool_calls"] == [{"name": "exec", "arguments": json.dumps({"command": "ls"})}]
+    assert plain.message == {"content": "Plain words.", "reasoning": None, "tool_calls": []}
+    assert plain.secret_spans == () and plain.finish_reason == "stop"
+    assert secret.secret_spans, "the sibling's credential was found"
+    [(kind, start, end)] = secret.secret_spans
+    assert kind == "OpenAI Token", kind
+    decoded = tiny_tokenizer.decode(secret.completion_ids[start:end].tolist())
+    if secrets == "drop":
+        filler = filler_token(tiny_tokenizer)
+        assert key.value not in tiny_tokenizer.decode(secret.completion_ids.tolist())
+        assert set(secret.completion_ids[start:end].tolist()) == {filler} and key.value not in json.dumps(
+            secret.message
+        )
+    else:
+        assert secret.completion_ids.tolist() == leak and key.value in decoded
+    # The judge reads the group with the credential redacted.
+    turn = load_turn(db, call_id, tokenizer_decode(tiny_tokenizer))
+    views = load_group(db, turn, tokenizer_decode(tiny_tokenizer))
+    assert [v.call_id for v in views] == [call_id, *(s.id for s in group.siblings)]
+    [judged] = [v for v in views if v.call_id == secret.id]
+    assert key.value not in judged.reply and "Set it:" in judged.reply
+    # Scored, the siblings train as calls would: the credential's tokens (mask) or the whole answer stay out.
+    counterfactuals.record_scores(db, call_id, 0.5, {s.id: counterfactuals.SiblingScore(0.1) for s in group.siblings})
+    group = counterfactuals.group_of(db, call_id)
+    served = CallView(call_id, turn_prompt(db, call_id), [1], [0.0], 0.0, "ok")
+    untrained = {v.id: v.untrained for v in sibling_views(served, group, secrets)}
+    whole = ((0, len(secret.completion_ids)),)
+    assert untrained == {tool.id: (), secret.id: ((start, end),) if secrets == "mask" else whole, plain.id: ()}
+
+
+def turn_prompt(db: sa.Engine, call_id: str) -> list[int]:
+    turn = judgements.recorded_turn(db, call_id)
+    assert turn is not None
+    return turn.prompt.tolist()

@@ -227,3 +227,67 @@ def test_tree_and_export_commands(gw, capsys, tmp_path):
     assert [r["id"] for r in lines] == [ro["id"]]
     assert lines[0]["reward"] == 0.75 and lines[0]["tree"]["report"]["leaves"] == 1
     assert len(lines[0]["calls"]) == 5 and lines[0]["calls"][0]["prompt_token_ids"]
+    assert all(c["counterfactual_group"] is None for c in lines[0]["calls"]), "no siblings were drawn"
+
+
+def test_export_carries_each_turns_counterfactual_group(gateway_factory, tmp_path):
+    import json
+
+    from clawgate.cli import main
+    from gateway.store import counterfactuals
+    from gateway.store.counterfactuals import SiblingScore
+    from gateway.store.db import connect
+    from tests.secret_corpus import corpus
+    from tests.test_counterfactuals import settle
+
+    gw = gateway_factory(admin_key=ADMIN, policy_follow=False, counterfactuals=2)
+    url = gw.settings.database_url
+    ro = create(gw)
+    [task_call] = drive(ro["base_url"], ro["api_key"], 1)  # a rollout the client names: no siblings
+
+    def everyday(content: str) -> str:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 8}
+        r = httpx.post(gw.v1 + "/chat/completions", json={**body, "temperature": 1.0}, timeout=60)
+        assert r.status_code == 200, r.text
+        settle(gw)  # its siblings are drawn before the next live call could preempt them
+        return r.headers["x-clawgate-call-id"]
+
+    plain = everyday("Name a colour.")
+    token = next(p for p in corpus() if p.name == "github token")
+    held = everyday(f"Why does this fail? {token.line}")
+    store = connect(url)
+    groups = {c: counterfactuals.group_of(store, c) for c in (plain, held)}
+    assert all(g is not None and len(g.siblings) == 2 for g in groups.values())
+    stored = groups[plain].siblings  # type: ignore[union-attr]
+    assert counterfactuals.record_scores(store, plain, 0.5, {stored[0].id: SiblingScore(0.25, {"reason": "short"})})
+    store.dispose()
+
+    def exported(*flags: str) -> dict[str, dict]:
+        out = tmp_path / f"export{len(flags)}.jsonl"
+        assert main(["export", "--out", str(out), *flags, "--database-url", url]) == 0
+        return {c["id"]: c for line in out.read_text().splitlines() for c in json.loads(line)["calls"]}
+
+    calls = exported()
+    assert calls[task_call]["counterfactual_group"] is None
+    group = calls[plain]["counterfactual_group"]
+    assert group["k"] == 2 and group["served_reward"] == 0.5 and group["redacted"] is False
+    assert [s["id"] for s in group["siblings"]] == [s.id for s in stored]
+    for got, sibling in zip(group["siblings"], stored, strict=True):
+        assert got["counterfactual"] is True and got["id"] not in calls, "marked, and no call"
+        assert got["completion_token_ids"] == sibling.completion_ids.tolist()
+        assert got["completion_logprobs"] == pytest.approx(sibling.completion_logprobs.tolist())
+        assert got["finish_reason"] == sibling.finish_reason and got["finish_reason"] in ("stop", "length")
+        assert got["completion_tokens"] == len(sibling.completion_ids)
+    assert [s["reward"] for s in group["siblings"]] == [0.25, None], "the scored sibling, and one not scored"
+    assert group["siblings"][0]["details"] == {"reason": "short"}
+    # The served prompt held a credential that a sibling may repeat: their ids read -1, exact with --raw.
+    assert calls[held]["secrets"]
+    exact = [s.completion_ids.tolist() for s in groups[held].siblings]  # type: ignore[union-attr]
+    assert calls[held]["counterfactual_group"]["redacted"] is True
+    assert [s["completion_token_ids"] for s in calls[held]["counterfactual_group"]["siblings"]] == [
+        [-1] * len(ids) for ids in exact
+    ]
+    raw = exported("--raw")[held]["counterfactual_group"]
+    assert raw["redacted"] is False and [s["completion_token_ids"] for s in raw["siblings"]] == exact
+    bare = exported("--no-tokens")[plain]["counterfactual_group"]["siblings"]
+    assert [s["id"] for s in bare] == [s.id for s in stored] and not any("completion_token_ids" in s for s in bare)

@@ -7,7 +7,10 @@ turn's siblings (``gateway/store/counterfactuals.py``); the judge scores the gro
 rewards within it (GRPO), as for a task's rollouts.
 
 A sibling is never returned to a client, registered in the session index or written as a call: nothing that
-serves, splices or links conversations can reach it.
+serves, splices or links conversations can reach it. It is read as its served call would have been: the served
+call's output parser reads its tokens (content, reasoning, tool calls; a call-only answer finishes "tool_calls"),
+and the credential scan finds what it holds (token spans the judge redacts and the trainer leaves out; with
+``secrets=drop`` the tokens and text are removed before anything is stored).
 
 Live traffic first:
 
@@ -29,10 +32,12 @@ import random
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import sqlalchemy as sa
 
 from gateway.core.job import PlannedCall
+from gateway.core.parsers.base import ParsedOutput
 from gateway.engines.base import Engine, GenerationEnd, GenerationRequest
 from gateway.ids import new_id
 from gateway.metrics import Metrics
@@ -48,6 +53,12 @@ COMMIT_WAIT_S = 10.0
 # How long a sibling waits for the gateway to have no live call (priority 0) before the rest of its group is dropped.
 IDLE_WAIT_S = 2.0
 IDLE_POLL_S = 0.02
+
+# The served call's output parser over an answer's ids (``Service.parse_answer``).
+Parse = Callable[[PlannedCall, list[int]], ParsedOutput]
+# The credential scan of an answer (``gateway.credentials.tokens.AnswerScanner``): (ids, message) -> (ids, message,
+# (kind, start, end) token spans), the ids and message without the credentials under ``secrets=drop``.
+Scan = Callable[[list[int], Any], tuple[list[int], Any, list[tuple[str, int, int]]]]
 
 
 class _Preempted(Exception):
@@ -71,6 +82,8 @@ class Counterfactuals:
         live: Callable[[], int] = lambda: 0,
         adapters_in_use: Counter[str] | None = None,
         rng: random.Random | None = None,
+        parse: Parse | None = None,
+        scan: Scan | None = None,
     ) -> None:
         self.engine = engine
         self.writer = writer
@@ -84,6 +97,8 @@ class Counterfactuals:
         # The service's count of calls per adapter: a version is not unloaded while a sibling is drawn through it.
         self.adapters_in_use: Counter[str] = adapters_in_use if adapters_in_use is not None else Counter()
         self.rng = rng or random.Random()
+        self.parse = parse
+        self.scan = scan  # None: credentials are not looked for (``secrets=off``)
         self.pending = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -133,6 +148,7 @@ class Counterfactuals:
             siblings = await self._siblings(prep)
             if not siblings:
                 return
+            siblings = await asyncio.to_thread(self._read, prep, siblings)
             group = NewGroup(
                 prep.call_ids[0],
                 prep.rollout_id,
@@ -172,6 +188,26 @@ class Counterfactuals:
             if reason is not None:
                 self.metrics.counterfactuals_dropped.labels(reason).inc(self.k - i)
                 break
+        return out
+
+    def _read(self, prep: PlannedCall, siblings: list[DrawnSibling]) -> list[DrawnSibling]:
+        """Each sibling as its served call would have been read: parsed, and scanned for credentials."""
+        out = []
+        for s in siblings:
+            ids, finish, message = s.completion_ids, s.finish_reason, None
+            if self.parse is not None:
+                output = self.parse(prep, ids)
+                message = {
+                    "content": output.content,
+                    "reasoning": output.reasoning,
+                    "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in output.tool_calls],
+                }
+                if output.tool_calls and finish == "stop":
+                    finish = "tool_calls"
+            spans = None
+            if self.scan is not None:
+                ids, message, spans = self.scan(ids, message)
+            out.append(replace(s, completion_ids=ids, finish_reason=finish, message=message, secret_spans=spans))
         return out
 
     async def _wait_idle(self) -> bool:

@@ -369,6 +369,13 @@ class ChatService:
             call_id, prep.prompt_ids, params, prep.adapter, stream=prep.job.stream, session_id=prep.rollout_id
         )
 
+    def parse_answer(self, prep: PlannedCall, ids: list[int]) -> ParsedOutput:
+        """What a choice of ``prep`` with completion ``ids`` reads as (a counterfactual sibling's answer)."""
+        text = TextPipeline(self.tokenizer, self._parser(prep), prep.params.stop, prep.forced_text)
+        text.feed(ids)
+        text.finish()
+        return text.output()
+
     def _parser(self, prep: PlannedCall) -> OutputParser | PlainText:
         """A new output parser for one choice: the model family's, or plain text for the token-level API."""
         job = prep.job

@@ -74,6 +74,29 @@ class RecordScanner:
         return found
 
 
+class AnswerScanner:
+    """The scan of an answer that is not a call (a counterfactual sibling): its credentials as completion token
+    spans, and with ``drop`` the answer with them removed (their tokens become the filler, their text leaves its
+    parsed message), as the capture writer treats a call."""
+
+    def __init__(self, tokenizer: Any, *, drop: bool = False) -> None:
+        self.drop = drop
+        self._decode = tokenizer_decode(tokenizer)
+        self._filler = filler_token(tokenizer) if drop else 0
+
+    def __call__(self, ids: list[int], message: Any) -> tuple[list[int], Any, list[tuple[str, int, int]]]:
+        """(the answer's ids, its message, its credentials as (kind, start, end) token spans)."""
+        found = scan_call((), 0, ids, self._decode)
+        spans = [(f.kind, f.start, f.end) for f in found]
+        if not (self.drop and found):
+            return ids, message, spans
+        out = list(ids)
+        for f in found:
+            out[f.start : f.end] = [self._filler] * (f.end - f.start)
+        texts = sorted({f.text for f in found if len(f.text) >= 4}, key=len, reverse=True)
+        return out, scrubbed(message, texts), spans
+
+
 def _first_token_past(ids: Sequence[int], decode: Decode, chars: int) -> int:
     """The smallest ``k`` with ``len(decode(ids[:k])) > chars`` (``len(ids)`` when none)."""
     lo, hi = 0, len(ids)

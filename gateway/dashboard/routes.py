@@ -1,12 +1,13 @@
 """The operator console at ``/dashboard``: server-rendered pages over the store, behind the admin key.
 
 Pages: overview (what serves, traffic, capture, backlog, the trainer's last step), rewards per policy version and
-per task × harness, train-step charts, a filterable rollout table, one rollout in full (decoded prompts and
-completions, per-token logprobs, rewards with their reasons, the prefix tree with what was filtered and why), and
-the policy versions with their promotion stages (a running canary's arms and verdict, the decisions so far). Every
-query runs on a thread; the pages are plain HTML with inline SVG charts and no script, so they work offline. Login:
-a form takes the admin key once and sets a signed, HttpOnly session cookie (``auth.py``); without an admin key
-(development only) the console is open, like the admin API.
+per task × harness, train-step charts, a filterable rollout table, one rollout in full (``rollout_page.py``: decoded
+prompts and completions, per-token logprobs, rewards with their reasons, each turn's counterfactual siblings with
+their scores, the prefix tree with what was filtered and why), and the policy versions with their promotion stages
+(a running canary's arms and verdict, the decisions so far). Every query runs on a thread; the pages are plain HTML
+with inline SVG charts and no script, so they work offline. Login: a form takes the admin key once and sets a
+signed, HttpOnly session cookie (``auth.py``); without an admin key (development only) the console is open, like
+the admin API.
 """
 
 from __future__ import annotations
@@ -24,19 +25,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from sqlalchemy.exc import SQLAlchemyError
 
-from gateway.credentials.redact import decode_redacted, redact_pieces
-from gateway.credentials.tokens import tokenizer_decode
-from gateway.dashboard import auth, charts
+from gateway.dashboard import auth, charts, rollout_page
 from gateway.errors import NotFound
 from gateway.policy import apply_change, lineage_for
 from gateway.promotion.promoter import rule_of
 from gateway.promotion.status import status as promotion_status
 from gateway.state import AppState, State
-from gateway.store import api_keys, console, policy_control, promotion, rollout_lifecycle
+from gateway.store import api_keys, console, policy_control, promotion
 from gateway.store.errors import RecordNotFound
 from gateway.store.readiness import training_counts
-from gateway.store.secret_spans import shifted
-from gateway.store.training_data import load_rollout
 from gateway.tenants.cache import KeysUnavailable
 from gateway.tenants.principal import GLOBAL_ADMIN, Principal
 
@@ -325,7 +322,7 @@ async def rollout_detail(request: Request, state: State, rollout_id: str) -> Res
     if who is None:
         return _to_login(request)
     try:
-        view = await asyncio.to_thread(_rollout_view, state, rollout_id)
+        view = await asyncio.to_thread(rollout_page.view, state, rollout_id)
         if not who.sees(view["rollout"]["tenant"]):  # another tenant's reads as one that does not exist
             raise RecordNotFound(rollout_id)
     except RecordNotFound:
@@ -333,51 +330,6 @@ async def rollout_detail(request: Request, state: State, rollout_id: str) -> Res
         page.status_code = 404
         return page
     return render(state, "rollout.html", tenant=who.tenant, title=f"Rollout {rollout_id}", **view)
-
-
-def _rollout_view(state: AppState, rollout_id: str) -> dict[str, Any]:
-    """The rollout's calls decoded (the prompt's new part, the completion token by token), rewards and tree;
-    credentials are shown as placeholders (``gateway/credentials/redact.py``)."""
-    data = rollout_lifecycle.detail(state.db, rollout_id, with_tokens=True, raw=True)
-    decode = tokenizer_decode(state.tokenizer)
-    by_id = {c["id"]: c for c in data["calls"]}
-    rewards_of: dict[str | None, list[dict[str, Any]]] = {}
-    for r in data["rewards"]:
-        rewards_of.setdefault(r["call_id"], []).append(r)
-    calls = []
-    for c in data["calls"]:
-        prompt = c["prompt_token_ids"]
-        parent = by_id.get(c["parent_call_id"] or "")
-        start = 0
-        if parent is not None:
-            before = parent["prompt_token_ids"] + parent["completion_token_ids"]
-            if prompt[: len(before)] == before:
-                start = len(before)
-        suffix = prompt[start:]
-        shown = suffix[-2000:]  # a fresh harness prompt can be 30k tokens: its end is what the model answered
-        spans = [(s["kind"], s["start"], s["end"]) for s in c["secrets"]]
-        shown_from = len(prompt) - len(shown)
-        completion = c["completion_token_ids"]
-        pieces = [decode([t]) for t in completion]
-        pieces = redact_pieces(pieces, shifted(spans, len(prompt), len(completion)))
-        calls.append(
-            {
-                **{k: v for k, v in c.items() if k not in ("prompt_token_ids", "completion_token_ids")},
-                "prompt_from": start,
-                "prompt_cut": len(suffix) - len(shown),
-                "prompt_text": decode_redacted(shown, shifted(spans, shown_from, len(shown)), decode),
-                "tokens": list(zip(pieces, c["completion_logprobs"], strict=True)),
-                "rewards": rewards_of.get(c["id"], []),
-            }
-        )
-    tree = load_rollout(state.db, rollout_id)
-    return {
-        "rollout": data,
-        "calls": calls,
-        "rollout_rewards": rewards_of.get(None, []),
-        "tree_text": tree.tree.render_text(max_lines=400) if tree is not None else "",
-        "filtered": tree.tree.to_json()["filtered"] if tree is not None else [],
-    }
 
 
 @router.get("/dashboard/versions")

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 
 from gateway.store import codec
 from gateway.store.models import Call, Counterfactual, CounterfactualGroup, utcnow
+from gateway.store.secret_spans import redact_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,10 @@ class DrawnSibling:
     completion_ids: list[int]
     completion_logprobs: list[float]
     finish_reason: str | None
+    # As the served call's parser read it (content, reasoning, tool calls), and the credentials in the completion:
+    # (kind, start, end) token spans, None when not scanned (``secrets`` off).
+    message: dict[str, Any] | None = None
+    secret_spans: list[tuple[str, int, int]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +80,8 @@ def record_group(db: sa.Engine, group: NewGroup) -> bool:
                 completion_ids=codec.pack_ids(s.completion_ids),
                 completion_logprobs=codec.pack_logprobs(s.completion_logprobs),
                 completion_len=len(s.completion_ids),
+                message=s.message,
+                secret_spans=None if s.secret_spans is None else [list(span) for span in s.secret_spans],
                 created_at=now,
             )
             for s in group.siblings
@@ -93,6 +100,9 @@ class Sibling:
     policy_version: int | None
     reward: float | None
     details: dict[str, Any] | None
+    message: dict[str, Any] | None = None
+    # Credentials in the completion, token spans (kind, start, end); None: never scanned.
+    secret_spans: tuple[tuple[str, int, int], ...] | None = None
 
 
 @dataclass(slots=True)
@@ -150,6 +160,8 @@ def groups_of(session: Session, call_ids: Iterable[str]) -> dict[str, Group]:
                         c.policy_version,
                         c.reward,
                         c.details,
+                        c.message,
+                        None if c.secret_spans is None else tuple((k, int(a), int(b)) for k, a, b in c.secret_spans),
                     )
                 )
     return out
@@ -158,6 +170,45 @@ def groups_of(session: Session, call_ids: Iterable[str]) -> dict[str, Group]:
 def group_of(db: sa.Engine, call_id: str) -> Group | None:
     with Session(db) as session:
         return groups_of(session, [call_id]).get(call_id)
+
+
+def group_record(group: Group, *, with_tokens: bool = True, raw: bool = False, held: bool = False) -> dict[str, Any]:
+    """A served call's group as JSON data (``clawgate export``, the console): each sibling marked ``counterfactual``
+    (drawn for the group, never served to a client nor continued), with its finish reason, score, the credentials
+    its scan found (``secrets``: kind and positions in its answer; None when it was not scanned) and, with
+    ``with_tokens``, its ids and logprobs. Unless ``raw`` the ids of those credentials read -1, and every id of every
+    sibling when the served call's tokens held one (``held``; the group's ``redacted``): a sibling may repeat it from
+    the shared prompt where the scan of the sibling alone does not see it."""
+    redacted = held and not raw and with_tokens
+    siblings = []
+    for s in group.siblings:
+        spans = list(s.secret_spans) if s.secret_spans is not None else None
+        item: dict[str, Any] = {
+            "id": s.id,
+            "counterfactual": True,
+            "finish_reason": s.finish_reason,
+            "policy_version": s.policy_version,
+            "completion_tokens": len(s.completion_ids),
+            "reward": s.reward,
+            "details": s.details,
+            "secrets": None if spans is None else [{"kind": k, "start": a, "end": b} for k, a, b in spans],
+        }
+        if with_tokens:
+            ids = s.completion_ids.tolist()
+            if redacted:
+                ids = [-1] * len(ids)
+            elif not raw:
+                ids = redact_ids(ids, spans or [])
+            item["completion_token_ids"] = ids
+            item["completion_logprobs"] = s.completion_logprobs.tolist()
+        siblings.append(item)
+    return {
+        "k": group.k,
+        "served_reward": group.served_reward,
+        "judged_at": group.judged_at.isoformat() if group.judged_at else None,
+        "redacted": redacted,
+        "siblings": siblings,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +243,7 @@ __all__ = [
     "Sibling",
     "SiblingScore",
     "group_of",
+    "group_record",
     "groups_of",
     "record_group",
     "record_scores",

@@ -480,3 +480,7 @@ class Counterfactual(Base):
     reward: Mapped[float | None] = mapped_column(sa.Float)
     details: Mapped[dict[str, Any] | None] = mapped_column(JSONValue)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # The answer as the served call's parser read it ({"content", "reasoning", "tool_calls": [{"name", "arguments"}]}),
+    # and its credentials as token spans of the completion ([[kind, start, end], …]; None: not scanned).
+    message: Mapped[dict[str, Any] | None] = mapped_column(JSONValue)
+    secret_spans: Mapped[list[Any] | None] = mapped_column(JSONValue)

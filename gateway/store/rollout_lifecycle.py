@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from gateway.store import codec, policy_versions, repo
+from gateway.store.counterfactuals import group_record, groups_of
 from gateway.store.errors import InvalidInput, RecordNotFound
 from gateway.store.models import Call, Reward, Rollout, utcnow
 from gateway.store.secret_spans import redact_ids, sequence_spans
@@ -321,11 +322,14 @@ def reward_dict(reward: Reward) -> dict[str, Any]:
     }
 
 
-def detail(db: sa.Engine, rollout_id: str, *, with_tokens: bool = True, raw: bool = False) -> dict[str, Any]:
+def detail(
+    db: sa.Engine, rollout_id: str, *, with_tokens: bool = True, raw: bool = False, counterfactuals: bool = False
+) -> dict[str, Any]:
     """A rollout with its calls (token ids and logprobs, versions, status) and rewards.
 
     Each call lists the credentials its tokens hold (``secrets``: kind and positions in prompt + completion); their
-    token ids read -1 unless ``raw``.
+    token ids read -1 unless ``raw``. ``counterfactuals``: each call also carries its ``counterfactual_group``
+    (``counterfactuals.group_record``; None when no siblings were drawn for it), redacted the same way.
     """
     with Session(db) as session:
         rollout = _get(session, rollout_id)
@@ -333,6 +337,7 @@ def detail(db: sa.Engine, rollout_id: str, *, with_tokens: bool = True, raw: boo
         calls = []
         rows = repo.calls_for_rollout(session, rollout_id)
         spans = sequence_spans(session, rows)
+        groups = groups_of(session, [c.id for c in rows]) if counterfactuals else {}
         for call in rows:
             item: dict[str, Any] = {
                 "id": call.id,
@@ -366,6 +371,13 @@ def detail(db: sa.Engine, rollout_id: str, *, with_tokens: bool = True, raw: boo
                 item["prompt_token_ids"] = prompt
                 item["completion_token_ids"] = completion
                 item["completion_logprobs"] = codec.unpack_logprobs(call.completion_logprobs)
+            if counterfactuals:
+                group = groups.get(call.id)
+                item["counterfactual_group"] = (
+                    None
+                    if group is None
+                    else group_record(group, with_tokens=with_tokens, raw=raw, held=bool(spans[call.id]))
+                )
             calls.append(item)
         rewards = [
             reward_dict(r)

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from gateway.credentials.tokens import COMPLETION
 from gateway.store import codec, repo
-from gateway.store.counterfactuals import Group, groups_of
+from gateway.store.counterfactuals import Group, Sibling, groups_of
 from gateway.store.models import Call, Reward, Rollout, SecretFinding
 from gateway.store.secret_spans import Span, sequence_spans
 from gateway.store.turns import TurnReward, turn_rewards
@@ -211,7 +211,7 @@ def turn_trees(
                     v
                     for view in views
                     if view.id in groups
-                    for v in sibling_views(view, groups[view.id], view.id in held)
+                    for v in sibling_views(view, groups[view.id], secrets, held=view.id in held)
                 ]
             out.append((rollout_id, build_tree(views, dataclasses.replace(TURN_TREE, secrets=secrets))))
     return out
@@ -224,10 +224,17 @@ def _with_findings(session: Session, call_ids: list[str]) -> set[str]:
     return set(session.scalars(sa.select(SecretFinding.call_id).where(SecretFinding.call_id.in_(call_ids))))
 
 
-def sibling_views(served: CallView, group: Group, held: bool = False) -> list[CallView]:
-    """The scored siblings of ``served`` as calls of the same prompt. Their answers were never scanned for
-    credentials: when the served call held one (``held``: it may sit in the shared prompt, and a sibling may repeat
-    it), they stay out of the loss."""
+def sibling_views(served: CallView, group: Group, secrets: str = "exclude", *, held: bool = False) -> list[CallView]:
+    """The scored siblings of ``served`` as calls of the same prompt. A sibling's own credentials (found when it was
+    drawn) stay out of the loss as a call's do (``secrets``); when the served call held one (``held``: it may sit in
+    the shared prompt, and a sibling may repeat it without the scan of the sibling alone seeing it), the siblings'
+    answers stay out of the loss whole."""
+
+    def untrained(s: Sibling) -> tuple[tuple[int, int], ...]:
+        if held and secrets != "off":
+            return ((0, len(s.completion_ids)),)
+        return _untrained([(a, b) for _, a, b in s.secret_spans or ()], len(s.completion_ids), secrets)
+
     return [
         CallView(
             id=s.id,
@@ -238,7 +245,7 @@ def sibling_views(served: CallView, group: Group, held: bool = False) -> list[Ca
             status="ok",
             policy_version=s.policy_version,
             finish_reason=s.finish_reason,
-            untrained=((0, len(s.completion_ids)),) if held else (),
+            untrained=untrained(s),
         )
         for i, s in enumerate(group.scored)
     ]
