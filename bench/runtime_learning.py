@@ -13,13 +13,17 @@ tool results — in parallel. Conversations are grouped implicitly by the gatewa
 The rule: the fraction of the reply's tokens that fall in a fixed set of 50 token ids (the reply re-tokenized with the
 model's tokenizer; a random policy scores about 50/2048). The trainer trains turns as they are rewarded, with a
 batch baseline; new versions are hot-swapped in while the user goes on. A learning-rate-0 control runs the same
-loop: its score must stay flat. ``--counterfactuals K``: the gateway draws K siblings per served turn, the judge
-scores each group on the context alone, and a turn with a scored group is normalized within it (judge mode).
+loop: its score must stay flat. ``--counterfactuals K [K ...]``: the gateway draws K siblings per served turn, the
+judge scores each group on the context alone, and a turn with a scored group is normalized within it (judge mode);
+each K given runs (0: the batch baseline alone), seed by seed. ``--think S``: the user pauses S seconds before each
+turn, as a person reads and types; the gateway draws siblings in those pauses (on the local engine a sibling yields
+to any live call).
 
     .venv/bin/python bench/runtime_learning.py [--seeds 0 1] [--reward judge|feedback] [--lr 1e-2] [--timeout 420]
-        [--counterfactuals K]
+        [--counterfactuals 0 3 7] [--think 1.0]
 
-Prints the mean score of the turns each policy version served, and the wall time.
+Prints the mean score of the turns each policy version served, the user turns sent until the newest versions scored
+``gain`` above v0, the engine tokens spent per user turn (served answers, siblings), and the wall time.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from tests.judge_server import JudgeServer, free_port, section  # noqa: E402
 from tests.online import UpProcess, wait_healthy  # noqa: E402
 
 ADMIN = "runtime-learning-admin"
+GAIN = 0.3  # the rise of the served answers' judge score a run waits for
 TOOLS = [
     {
         "type": "function",
@@ -86,6 +91,7 @@ class User:
     rule: TargetRule
     seed: int
     feedback: bool
+    think: float = 0.0  # seconds before each turn
     failures: list[str] = field(default_factory=list)
     turns: int = 0
 
@@ -95,6 +101,8 @@ class User:
         return "".join(parts)
 
     def ask(self, client: httpx.Client, body: dict[str, Any]) -> dict[str, Any] | None:
+        if self.think:
+            time.sleep(self.think)
         r = client.post("/v1/chat/completions", json=body)
         if r.status_code != 200:
             self.failures.append(f"{r.status_code}: {r.text[:300]}")
@@ -195,6 +203,20 @@ def curve(by_version: dict[int, list[float]]) -> str:
     return "  ".join(f"v{v}: {mean(s):.3f} (n={len(s)})" for v, s in sorted(by_version.items()))
 
 
+def engine_tokens(url: str) -> tuple[int, int, int]:
+    """(completion tokens of the served calls, siblings drawn, their completion tokens)."""
+    engine = db.connect(url)
+    try:
+        with engine.connect() as conn:
+            served = conn.execute(sa.text("SELECT COALESCE(SUM(completion_len), 0) FROM calls")).scalar_one()
+            drawn, sibling_tokens = conn.execute(
+                sa.text("SELECT COUNT(*), COALESCE(SUM(completion_len), 0) FROM counterfactuals")
+            ).one()
+    finally:
+        engine.dispose()
+    return int(served), int(drawn), int(sibling_tokens)
+
+
 @dataclass
 class Result:
     by_version: dict[int, list[float]]
@@ -202,6 +224,8 @@ class Result:
     turns: int
     failures: list[str]
     output: str
+    turns_to_goal: int | None = None  # user turns sent when the newest versions first scored ``gain`` above v0
+    tokens: tuple[int, int, int] = (0, 0, 0)  # engine_tokens()
 
     @property
     def v0(self) -> float:
@@ -224,10 +248,11 @@ def run(
     min_turns: int = 48,
     max_turns: int | None = None,
     min_versions: int = 6,
-    gain: float = 0.3,
+    gain: float = GAIN,
     timeout: float = 420.0,
     workers: int = 4,
     counterfactuals: int = 0,
+    think: float = 0.0,
     log: bool = True,
 ) -> Result:
     """One run; stops once ``min_versions`` versions served turns and the newest score ``gain`` above v0."""
@@ -275,10 +300,10 @@ def run(
     up.start()
     source = "judge" if reward == "judge" else "feedback"
     t0 = time.perf_counter()
-    user = User(f"http://127.0.0.1:{port}", rule, seed, feedback=reward == "feedback")
+    user = User(f"http://127.0.0.1:{port}", rule, seed, feedback=reward == "feedback", think=think)
     try:
         wait_healthy(user.url, up, 120, version=0)
-        state = {"last": 0.0, "done": False}
+        state: dict[str, Any] = {"last": 0.0, "done": False, "turns": None}
         lock = threading.Lock()
 
         def done() -> bool:
@@ -293,6 +318,9 @@ def run(
                 if len([v for v in by_version if v > 0]) >= min_versions:
                     late = Result(by_version, 0, 0, [], "").late()
                     # With a margin: the last turns judged after the stop may pull the newest score down a little.
+                    reached = late > mean(by_version.get(0, [])) + gain
+                    if reached and state["turns"] is None:
+                        state["turns"] = user.turns
                     state["done"] = lr == 0 or late > mean(by_version.get(0, [])) + gain + 0.05
                 return bool(state["done"])
 
@@ -300,13 +328,14 @@ def run(
         # Let the last replies be judged before reading the scores.
         time.sleep(3)
         by_version = scores_by_version(url, source)
+        tokens = engine_tokens(url)
     finally:
         code = up.stop()
         if server is not None:
             server.stop()
     if code != 0:
         raise RuntimeError(f"`clawgate up` exited with {code}:\n{up.output}")
-    return Result(by_version, time.perf_counter() - t0, user.turns, user.failures, up.output)
+    return Result(by_version, time.perf_counter() - t0, user.turns, user.failures, up.output, state["turns"], tokens)
 
 
 def main() -> int:
@@ -320,8 +349,14 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=4, help="the user's parallel conversations")
     ap.add_argument("--no-control", action="store_true", help="skip the learning-rate-0 control")
     ap.add_argument(
-        "--counterfactuals", type=int, default=0, metavar="K", help="siblings drawn per served turn (0: batch baseline)"
+        "--counterfactuals",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="K",
+        help="siblings drawn per served turn (0: batch baseline); each K given runs",
     )
+    ap.add_argument("--think", type=float, default=0.0, help="seconds the user pauses before each turn")
     ap.add_argument("--show-output", action="store_true", help="print the end of `clawgate up`'s output")
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -334,8 +369,9 @@ def main() -> int:
         model = build_tiny_model(work / "tiny")
         tokenizer = AutoTokenizer.from_pretrained(model)
         t0 = time.perf_counter()
-        runs = [(seed, args.lr) for seed in args.seeds] + ([] if args.no_control else [(args.seeds[0], 0.0)])
-        for seed, lr in runs:
+        runs = [(k, seed, args.lr) for seed in args.seeds for k in args.counterfactuals]
+        runs += [] if args.no_control else [(k, args.seeds[0], 0.0) for k in args.counterfactuals]
+        for k, seed, lr in runs:
             result = run(
                 model,
                 tokenizer,
@@ -347,11 +383,17 @@ def main() -> int:
                 max_turns=args.max_turns,
                 timeout=args.timeout,
                 workers=args.workers,
-                counterfactuals=args.counterfactuals,
+                counterfactuals=k,
+                think=args.think,
             )
+            served, drawn, sibling_tokens = result.tokens
+            per_turn = max(result.turns, 1)
             print(
-                f"{args.reward} seed {seed} lr {lr:g}: v0 {result.v0:.3f} -> newest {result.late():.3f} "
-                f"in {result.seconds:.0f}s, {result.turns} turns, {len(result.failures)} failed requests\n"
+                f"{args.reward} K={k} seed {seed} lr {lr:g}: v0 {result.v0:.3f} -> newest {result.late():.3f} "
+                f"in {result.seconds:.0f}s, {result.turns} turns ({result.turns_to_goal} to +{GAIN:g}), "
+                f"{len(result.failures)} failed requests\n"
+                f"  engine tokens per user turn: {served / per_turn:.1f} served + {sibling_tokens / per_turn:.1f} "
+                f"in {drawn} siblings ({drawn / per_turn:.2f} per turn of {k} asked)\n"
                 f"  {curve(result.by_version)}",
                 flush=True,
             )

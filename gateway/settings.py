@@ -113,7 +113,9 @@ class Settings(BaseSettings):
     # Seconds between looks at the store when nothing is ready.
     train_interval: float = Field(default=5.0, gt=0)
     train_max_rollouts: int = Field(default=256, ge=1)
-    train_max_turns: int = Field(default=256, ge=1)  # turns of everyday traffic per step at most
+    # Turns of everyday traffic per step at most; a turn whose counterfactual group was scored counts its answers
+    # (itself and its scored siblings), as for train_min_turns: what a step trains, and costs.
+    train_max_turns: int = Field(default=256, ge=1)
     # Tokens per packed micro-batch (one forward pass); under torchrun micro-batches are shared out between ranks.
     train_max_tokens_per_bin: int = Field(default=16384, ge=16)
     # Rollouts served by a version more than this many versions older than the trained one are not trained on.
@@ -138,7 +140,8 @@ class Settings(BaseSettings):
     # traffic, are trained turn by turn against a batch baseline), "batch" (everything against a batch baseline
     # per harness), "critic" (PPO's value head: the same as train_algorithm=ppo).
     train_advantage: Literal["group", "batch", "critic"] = "group"
-    # A step starts when this many turns (calls of rollouts without a group) are ready, like train_min_rollouts.
+    # A step starts when this many turns (calls of rollouts without a group) are ready, like train_min_rollouts; a turn
+    # whose counterfactual group was scored counts its answers (itself and its scored siblings).
     train_min_turns: int = Field(default=16, ge=1)
     # Turns wait for the reward worker's verdict before they are trained (default: when a judge or a reward
     # function is configured, so a turn is never trained before its judge score exists).

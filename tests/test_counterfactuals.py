@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from gateway.core import counterfactuals as drawer_module
 from gateway.store import counterfactuals, judgements
+from gateway.store import turns as store_turns
 from gateway.store.db import connect
 from gateway.store.models import Call, Counterfactual, TrainedTurn
 from gateway.store.training_data import load_turns, turn_trees
@@ -192,6 +193,12 @@ def test_the_trainer_trains_a_group_normalized_within_its_prompt(gw, tiny_model_
     assert group is not None and len(group.siblings) == K
     scores = {s.id: counterfactuals.SiblingScore(v) for s, v in zip(group.siblings, (0.0, 0.5, 0.5), strict=True)}
     assert counterfactuals.record_scores(db, grouped, 1.0, scores)
+    # The step budget counts answers: the grouped turn is its own and its 3 scored siblings'.
+    backlog = store_turns.backlog(db, 0, await_judge=False)
+    assert (backlog.ready, backlog.answers) == (3, 6)
+    newest_first = [turns[2][0], turns[1][0], grouped]
+    for limit, taken in ((1, 1), (5, 2), (6, 3)):
+        assert store_turns.ready_turns(db, 0, limit, await_judge=False) == newest_first[:taken], limit
     (data,) = [t for t in load_turns(db, [grouped]) if t.call_id == grouped]
     ((_, tree),) = turn_trees(db, [data], siblings=True)
     generators = {n.generator for n in tree.nodes if n.trainable.any()}

@@ -92,7 +92,11 @@ def train_flags(p: argparse.ArgumentParser) -> None:
         "for both; critic: PPO's value head (CLAWGATE_TRAIN_ADVANTAGE)",
     )
     g.add_argument(
-        "--min-turns", dest="train_min_turns", type=int, help="ready turns of everyday traffic a step waits for"
+        "--min-turns",
+        dest="train_min_turns",
+        type=int,
+        help="ready turns of everyday traffic a step waits for (a turn with a scored counterfactual group counts its "
+        "answers)",
     )
     g.add_argument(
         "--await-judge",
@@ -128,7 +132,12 @@ def _schedule_flags(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument("--interval", dest="train_interval", type=float, help="seconds between looks when idle")
     g.add_argument("--max-rollouts", dest="train_max_rollouts", type=int, help="rollouts of task runs per step at most")
-    g.add_argument("--max-turns", dest="train_max_turns", type=int, help="turns of everyday traffic per step at most")
+    g.add_argument(
+        "--max-turns",
+        dest="train_max_turns",
+        type=int,
+        help="turns of everyday traffic per step at most (counted as for --min-turns)",
+    )
     g.add_argument(
         "--max-tokens-per-bin",
         "--max-tokens-per-rank",

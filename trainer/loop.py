@@ -54,22 +54,31 @@ def should_step(trainer: Trainer, *, waited: bool = True, lineage: str | None = 
     backlog = turns.backlog(
         trainer.db, epoch, await_judge=trainer.config.await_judge, secrets=trainer.config.tree.secrets, lineage=lineage
     )
-    if backlog.ready >= cfg.min_turns:
-        return True, f"{backlog.ready} turns ready"
+    if backlog.answers >= cfg.min_turns:
+        return True, f"{_turns(backlog)} ready"
     age = oldest_ready_age(trainer.db, epoch, lineage) if waited else None
     if ready.rollouts and age is not None and age >= wait:
         return True, f"{ready.rollouts} rollouts ready, the oldest waited {age:.0f}s"
     turn_age = backlog.oldest_ready_age if waited else None
     if backlog.ready and turn_age is not None and turn_age >= wait:
-        return True, f"{backlog.ready} turns ready, the oldest waited {turn_age:.0f}s"
+        return True, f"{_turns(backlog)} ready, the oldest waited {turn_age:.0f}s"
     waiting = (
         f"waiting: {ready.rollouts}/{cfg.min_rollouts} rollouts ready, "
         f"{ready.groups}/{cfg.min_groups} groups with two or more; "
-        f"{backlog.ready}/{cfg.min_turns} turns ready, {backlog.awaiting_next_state} await their next state"
+        f"{_turns(backlog, cfg.min_turns)} ready, {backlog.awaiting_next_state} await their next state"
     )
     if trainer.config.await_judge:
         waiting += f", {backlog.awaiting_judge} await the judge"
     return False, waiting
+
+
+def _turns(backlog: turns.Backlog, minimum: int | None = None) -> str:
+    """``3/16 turns``, or with scored counterfactual siblings ``3 turns (12/16 answers with their siblings)``: the
+    step budget counts answers."""
+    of = "" if minimum is None else f"/{minimum}"
+    if backlog.answers == backlog.ready:
+        return f"{backlog.ready}{of} turns"
+    return f"{backlog.ready} turns ({backlog.answers}{of} answers with their siblings)"
 
 
 def promotion_gate(trainer: Trainer, gate: EvalGate | None = None, lineage: str | None = None) -> tuple[bool, str]:

@@ -27,7 +27,16 @@ from sqlalchemy.orm import Session
 from gateway.credentials.tokens import COMPLETION
 from gateway.store.counterfactuals import Group, groups_of
 from gateway.store.lineages import scope
-from gateway.store.models import Call, Judgement, Reward, Rollout, SecretFinding, TrainedTurn
+from gateway.store.models import (
+    Call,
+    Counterfactual,
+    CounterfactualGroup,
+    Judgement,
+    Reward,
+    Rollout,
+    SecretFinding,
+    TrainedTurn,
+)
 
 # APIs whose calls are conversations (the completions API takes raw prompts: no turns to judge).
 CONVERSATION_APIS = ("chat", "messages", "responses")
@@ -107,19 +116,46 @@ def ready(
     )
 
 
+def answers() -> sa.ColumnElement[int]:
+    """The answers a turn trains (needs ``Call``): its own, and its counterfactual group's scored siblings once the
+    group was scored beside it (``counterfactuals.Group.scored``). The trainer's step budget counts these: a turn
+    with K scored siblings costs a step K + 1 answers' work and brings as many samples."""
+    scored_siblings = (
+        sa.select(sa.func.count())
+        .select_from(Counterfactual)
+        .join(CounterfactualGroup, CounterfactualGroup.call_id == Counterfactual.call_id)
+        .where(
+            Counterfactual.call_id == Call.id,
+            Counterfactual.reward.is_not(None),
+            CounterfactualGroup.served_reward.is_not(None),
+        )
+        .correlate(Call)
+        .scalar_subquery()
+    )
+    return 1 + scored_siblings
+
+
 def ready_turns(
     db: sa.Engine, epoch: int, limit: int, *, await_judge: bool, secrets: str = "exclude", lineage: str | None = None
 ) -> list[str]:
-    """Ready turns, freshest first (as ``readiness.ready_rollouts``: the backlog ages out through staleness)."""
+    """Ready turns, freshest first (as ``readiness.ready_rollouts``: the backlog ages out through staleness), as many
+    as hold ``limit`` answers (``answers``; at least one turn)."""
     query = (
-        sa.select(Call.id)
+        sa.select(Call.id, answers())
         .join(Rollout, Rollout.id == Call.rollout_id)
         .where(*ready(epoch, await_judge, secrets, lineage))
         .order_by(Call.started_at.desc(), Call.id.desc())
         .limit(limit)
     )
+    out: list[str] = []
+    total = 0
     with Session(db) as session:
-        return list(session.scalars(query))
+        for call_id, n in session.execute(query):
+            if out and total + int(n) > limit:
+                break
+            out.append(call_id)
+            total += int(n)
+    return out
 
 
 @dataclass(slots=True)
@@ -127,6 +163,7 @@ class Backlog:
     """What the turns of everyday traffic are waiting for (for the trainer's status line)."""
 
     ready: int = 0
+    answers: int = 0  # the ready turns' answers, their scored counterfactual siblings included (``answers``)
     awaiting_next_state: int = 0  # rollout still open, no later call yet
     awaiting_judge: int = 0  # next state known, reward worker not done
     oldest_ready_age: float | None = None  # seconds since the oldest ready turn was served
@@ -138,9 +175,16 @@ def backlog(
     base = sa.select(sa.func.count()).select_from(Call).join(Rollout, Rollout.id == Call.rollout_id)
     pending = (*is_turn(), not_consumed(epoch), *scope(lineage))
     is_ready = ready(epoch, await_judge, secrets, lineage)
+    counted = (
+        sa.select(sa.func.count(), sa.func.sum(answers()))
+        .select_from(Call)
+        .join(Rollout, Rollout.id == Call.rollout_id)
+    )
     with Session(db) as session:
+        turns, total = session.execute(counted.where(*is_ready)).one()
         out = Backlog(
-            ready=int(session.scalar(base.where(*is_ready)) or 0),
+            ready=int(turns or 0),
+            answers=int(total or 0),
             awaiting_next_state=int(session.scalar(base.where(*pending, ~has_next_state())) or 0),
         )
         if await_judge:
