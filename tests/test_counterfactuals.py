@@ -162,6 +162,37 @@ def test_a_live_call_preempts_a_sibling_and_the_group_keeps_what_was_whole(gatew
     db.dispose()
 
 
+def test_a_preempted_sibling_leaves_the_rest_of_its_group_to_the_next_idle_moment(gateway_factory):
+    gw = gateway_factory(admin_key="adm", policy_follow=False, counterfactuals=3)
+    drawer = gw.state.service.counterfactuals
+    engine, started, fired = drawer.engine, [], []
+
+    class Counting:
+        name = engine.name
+
+        def generate(self, request: Any) -> Any:
+            started.append(request.request_id)
+            return engine.generate(request)
+
+    def live() -> int:
+        # One live call arrives while the second sibling generates, and is done before the third would start.
+        if len(started) == 2 and not fired:
+            fired.append(True)
+            return 1
+        return 0
+
+    drawer.engine, drawer.live = Counting(), live
+    call_id, _, _ = chat(gw, [{"role": "user", "content": "Tell me a long story about the sea and ships."}])
+    settle(gw)
+    db = connect(gw.settings.database_url)
+    group = counterfactuals.group_of(db, call_id)
+    assert len(started) == 3 and group is not None
+    assert sorted(s.id for s in group.siblings) == sorted([started[0], started[2]]), "the third waited, then drew"
+    assert metric(gw, 'clawgate_counterfactuals_dropped_total{reason="preempted"}') == 1
+    assert metric(gw, 'clawgate_counterfactuals_dropped_total{reason="busy"}') == 0
+    db.dispose()
+
+
 # --- advantages -------------------------------------------------------------------------------------------------
 def test_group_advantages_are_per_prompt_and_the_rest_keep_the_batch_baseline():
     rewards = {"a": 0.3, "b": 0.0, "c": 1.0, "d": 0.9}

@@ -19,9 +19,9 @@ Live traffic first:
 - with ``priority`` > 0 the siblings go to the engine with that request priority (vLLM under
   ``--scheduling-policy priority`` schedules them after live calls and preempts them first);
 - with ``priority`` 0 (the local engine, or vLLM under its default FCFS policy, which refuses priorities) the gateway
-  yields itself: a sibling starts only while no live call runs in this gateway, and is abandoned (its group keeps
-  the siblings drawn whole before it) as soon as one arrives. The engine then never serves a sibling beside a live
-  call for longer than one decoding step.
+  yields itself: a sibling starts only while no live call runs in this gateway, and is abandoned as soon as one
+  arrives (the next sibling waits for the next idle moment; the group keeps the siblings drawn whole). The engine
+  then never serves a sibling beside a live call for longer than one decoding step.
 """
 
 from __future__ import annotations
@@ -171,7 +171,8 @@ class Counterfactuals:
             self.pending -= 1
 
     async def _siblings(self, prep: PlannedCall) -> list[DrawnSibling]:
-        """Draw the siblings one after the other; stop at the first that live traffic or a fault cuts short."""
+        """Draw the siblings one after the other. One that a live call cuts short is dropped and the next waits for
+        the gateway to be idle again; a fault, or no idle moment within IDLE_WAIT_S, drops the rest."""
         out: list[DrawnSibling] = []
         for i in range(self.k):
             reason = None
@@ -185,7 +186,9 @@ class Counterfactuals:
             except Exception as exc:
                 log.warning("counterfactual draw for %s failed: %s", prep.call_ids[0], exc)
                 reason = "error"
-            if reason is not None:
+            if reason == "preempted":  # this one is lost; the next waits for the next idle moment
+                self.metrics.counterfactuals_dropped.labels(reason).inc()
+            elif reason is not None:
                 self.metrics.counterfactuals_dropped.labels(reason).inc(self.k - i)
                 break
         return out
