@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -357,6 +358,12 @@ def main() -> int:
         help="siblings drawn per served turn (0: batch baseline); each K given runs",
     )
     ap.add_argument("--think", type=float, default=0.0, help="seconds the user pauses before each turn")
+    ap.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="run the Ks of a seed at the same time, so they share the machine's load (the trainer's pace, and so the "
+        "user turns a version takes, depends on it)",
+    )
     ap.add_argument("--show-output", action="store_true", help="print the end of `clawgate up`'s output")
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -369,10 +376,13 @@ def main() -> int:
         model = build_tiny_model(work / "tiny")
         tokenizer = AutoTokenizer.from_pretrained(model)
         t0 = time.perf_counter()
-        runs = [(k, seed, args.lr) for seed in args.seeds for k in args.counterfactuals]
-        runs += [] if args.no_control else [(k, args.seeds[0], 0.0) for k in args.counterfactuals]
-        for k, seed, lr in runs:
-            result = run(
+        batches = [[(k, seed, args.lr) for k in args.counterfactuals] for seed in args.seeds]
+        batches += [] if args.no_control else [[(k, args.seeds[0], 0.0) for k in args.counterfactuals]]
+        if not args.side_by_side:
+            batches = [[one] for batch in batches for one in batch]
+
+        def one(k: int, seed: int, lr: float) -> Result:
+            return run(
                 model,
                 tokenizer,
                 workdir=work,
@@ -386,21 +396,30 @@ def main() -> int:
                 counterfactuals=k,
                 think=args.think,
             )
-            served, drawn, sibling_tokens = result.tokens
-            per_turn = max(result.turns, 1)
-            print(
-                f"{args.reward} K={k} seed {seed} lr {lr:g}: v0 {result.v0:.3f} -> newest {result.late():.3f} "
-                f"in {result.seconds:.0f}s, {result.turns} turns ({result.turns_to_goal} to +{GAIN:g}), "
-                f"{len(result.failures)} failed requests\n"
-                f"  engine tokens per user turn: {served / per_turn:.1f} served + {sibling_tokens / per_turn:.1f} "
-                f"in {drawn} siblings ({drawn / per_turn:.2f} per turn of {k} asked)\n"
-                f"  {curve(result.by_version)}",
-                flush=True,
-            )
-            if args.show_output:
-                print(result.output, flush=True)
+
+        for batch in batches:
+            with ThreadPoolExecutor(len(batch)) as pool:
+                results = list(pool.map(lambda r: one(*r), batch))
+            for (k, seed, lr), result in zip(batch, results, strict=True):
+                report(args, k, seed, lr, result)
         print(f"wall time {time.perf_counter() - t0:.0f}s")
     return 0
+
+
+def report(args: argparse.Namespace, k: int, seed: int, lr: float, result: Result) -> None:
+    served, drawn, sibling_tokens = result.tokens
+    per_turn = max(result.turns, 1)
+    print(
+        f"{args.reward} K={k} seed {seed} lr {lr:g}: v0 {result.v0:.3f} -> newest {result.late():.3f} "
+        f"in {result.seconds:.0f}s, {result.turns} turns ({result.turns_to_goal} to +{GAIN:g}), "
+        f"{len(result.failures)} failed requests\n"
+        f"  engine tokens per user turn: {served / per_turn:.1f} served + {sibling_tokens / per_turn:.1f} "
+        f"in {drawn} siblings ({drawn / per_turn:.2f} per turn of {k} asked)\n"
+        f"  {curve(result.by_version)}",
+        flush=True,
+    )
+    if args.show_output:
+        print(result.output, flush=True)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from rewards.functions import RewardFunction
 from rewards.report import turn_rows
 from rewards.turns import TurnView, load_group, load_turn, tokenizer_decode
 from rewards.worker import RewardWorker, WorkerConfig
+from tests.test_api_openai import TOOLS
 from trainer.advantages import ZERO_VARIANCE, group_advantages, turn_advantages
 from trainer.config import TrainConfig
 from trainer.step import Trainer
@@ -315,18 +316,6 @@ def test_tokens_a_group_shares_get_the_mean_of_its_advantages():
     assert got == {10: 0.25, 11: 1.0, 12: 1.0, 13: -0.5}, "the shared first token counts once, with the mean"
 
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "exec",
-            "description": "Run a shell command.",
-            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
-        },
-    }
-]
-
-
 @pytest.mark.parametrize("secrets", ["exclude", "mask", "drop"])
 def test_siblings_are_read_as_their_call_is_parsed_and_scanned(gateway_factory, tiny_tokenizer, secrets):
     """A sibling that calls a tool finishes "tool_calls" with the call parsed; one that holds a credential has its
@@ -350,7 +339,7 @@ def test_siblings_are_read_as_their_call_is_parsed_and_scanned(gateway_factory, 
         max_tokens=128,
     )
     engine.push("Sure.")
-    engine.push('<tool_call>\n{"name": "exec", "arguments": {"command": "ls"}}\n</tool_call>')
+    engine.push('<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}}\n</tool_call>')
     leak = engine.push(f"Set it: {key.line}")
     engine.push("Plain words.")
     call_id, _, message = chat(gw, [{"role": "user", "content": "List the files."}], tools=TOOLS, max_tokens=80)
@@ -363,7 +352,7 @@ def test_siblings_are_read_as_their_call_is_parsed_and_scanned(gateway_factory, 
     [plain] = [s for s in group.siblings if s.message["content"] == "Plain words."]
     [secret] = [s for s in group.siblings if s not in (tool, plain)]
     assert tool.finish_reason == "tool_calls" and tool.secret_spans == ()
-    assert tool.message["tool_calls"] == [{"name": "exec", "arguments": json.dumps({"command": "ls"})}]
+    assert tool.message["tool_calls"] == [{"name": "read_file", "arguments": json.dumps({"path": "a.txt"})}]
     assert plain.message == {"content": "Plain words.", "reasoning": None, "tool_calls": []}
     assert plain.secret_spans == () and plain.finish_reason == "stop"
     assert secret.secret_spans, "the sibling's credential was found"
