@@ -19,9 +19,10 @@ Live traffic first:
 - with ``priority`` > 0 the siblings go to the engine with that request priority (vLLM under
   ``--scheduling-policy priority`` schedules them after live calls and preempts them first);
 - with ``priority`` 0 (the local engine, or vLLM under its default FCFS policy, which refuses priorities) the gateway
-  yields itself: a sibling starts only while no live call runs in this gateway, and is abandoned as soon as one
-  arrives (the next sibling waits for the next idle moment; the group keeps the siblings drawn whole). The engine
-  then never serves a sibling beside a live call for longer than one decoding step.
+  yields itself: one sibling at a time, started only while no live call runs in this gateway, and abandoned as soon
+  as one arrives (the next sibling waits for the next idle moment; the group keeps the siblings drawn whole). The
+  engine then serves a sibling beside a live call only until the sibling's next token shows the gateway the live
+  call: two decoding steps at most on an engine that schedules a step as the previous one ends.
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ class Counterfactuals:
         self.scan = scan  # None: credentials are not looked for (``secrets=off``)
         self.pending = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        # Priority 0: one sibling at a time, whatever the number of groups pending. Siblings started together in a gap
+        # would each decode slower, rarely finish before the next live call, and all share its first steps.
+        self._yielding = asyncio.Lock()
 
     def eligible(self, prep: PlannedCall) -> bool:
         """A turn of everyday traffic whose answer can be compared: a conversation API, no grammar (its logprobs are
@@ -177,8 +181,12 @@ class Counterfactuals:
         for i in range(self.k):
             reason = None
             try:
-                if self.priority == 0 and not await self._wait_idle():
-                    reason = "busy"
+                if self.priority == 0:
+                    async with self._yielding:
+                        if await self._wait_idle():
+                            out.append(await self._one(prep, i))
+                        else:
+                            reason = "busy"
                 else:
                     out.append(await self._one(prep, i))
             except _Preempted:
