@@ -50,6 +50,7 @@ import sqlalchemy as sa
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.gateway_latency import wait_healthy  # noqa: E402
 from clawgate.tiny_model import build_tiny_model  # noqa: E402
 from gateway.engines.managed import free_port  # noqa: E402
 from gateway.engines.vllm_server import VLLMServer, find_vllm_python  # noqa: E402
@@ -222,19 +223,6 @@ def report(policy: str, modes: list[Mode], args: argparse.Namespace) -> None:
     )
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], name: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"{name} failed to start")
-        time.sleep(0.2)
-
-
 @contextmanager
 def gateways(modes: list[Mode], vllm_url: str, model: Path, tmp: Path) -> Iterator[None]:
     """One gateway process per mode in front of ``vllm_url``, each capturing to its own SQLite file."""
@@ -261,7 +249,7 @@ def gateways(modes: list[Mode], vllm_url: str, model: Path, tmp: Path) -> Iterat
             mode.process = subprocess.Popen([sys.executable, "-m", "clawgate.cli", "serve"], env=env, cwd=ROOT)
         for mode in modes:
             assert mode.process is not None
-            wait_healthy(mode.url, mode.process, f"gateway {mode.name}")
+            wait_healthy(mode.url + "/health", mode.process, f"gateway {mode.name}", timeout=300)
         yield
     finally:
         for mode in modes:
