@@ -93,8 +93,7 @@ class AnswerScanner:
         out = list(ids)
         for f in found:
             out[f.start : f.end] = [self._filler] * (f.end - f.start)
-        texts = sorted({f.text for f in found if len(f.text) >= 4}, key=len, reverse=True)
-        return out, scrubbed(message, texts), spans
+        return out, scrubbed(message, dropped_texts(found)), spans
 
 
 def _first_token_past(ids: Sequence[int], decode: Decode, chars: int) -> int:
@@ -162,10 +161,15 @@ def drop_credentials(record: Any, findings: list[TokenFinding], filler: int) -> 
         for i in range(max(f.start - offset, 0), min(f.end - offset, len(ids))):
             ids[i] = filler
     record.prompt_delta, record.completion_ids = prompt, completion
-    texts = sorted({f.text for f in findings if len(f.text) >= 4}, key=len, reverse=True)
+    texts = dropped_texts(findings)
     record.request = scrubbed(record.request, texts)
     if record.response is not None:
         record.response = scrubbed(record.response, texts)
+
+
+def dropped_texts(findings: list[TokenFinding]) -> list[str]:
+    """The credentials' texts to scrub from stored JSON, longest first (shorter ones would match anything)."""
+    return sorted({f.text for f in findings if len(f.text) >= 4}, key=len, reverse=True)
 
 
 def filler_token(tokenizer: Any) -> int:
