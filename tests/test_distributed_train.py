@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -65,8 +65,15 @@ def ready_db(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> 
 
 
 def copy_of(ready_db: Path, where: Path) -> str:
+    """A copy through SQLite's backup API: the database runs in WAL mode, so a copy of the main file alone can miss
+    the last commits while a connection to it still lingers."""
     where.mkdir(parents=True)
-    shutil.copy(ready_db, where / "db.sqlite")
+    source, target = sqlite3.connect(ready_db), sqlite3.connect(where / "db.sqlite")
+    try:
+        source.backup(target)
+    finally:
+        source.close()
+        target.close()
     return f"sqlite:///{where / 'db.sqlite'}"
 
 
