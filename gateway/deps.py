@@ -203,12 +203,18 @@ async def authorize_rollout(request: Request, state: AppState, rollout_id: str) 
     return principal
 
 
+def is_global_admin(request: Request, state: AppState) -> bool:
+    """Whether the request carries the global admin key, never a tenant's or a rollout's (what only the operator may
+    read: credentials' exact ids, counterfactual siblings)."""
+    key = presented_key(request)
+    if key is not None and key.startswith((rollout_lifecycle.ROLLOUT_KEY_PREFIX, tenant_keys.PREFIX)):
+        return False
+    return _is_admin(state, key)
+
+
 def authorize_raw(request: Request, state: AppState) -> None:
     """Exact token ids of credentials (``?raw=true``): the global admin key only, never a tenant's or a rollout's."""
-    key = presented_key(request)
-    if (key is not None and key.startswith((rollout_lifecycle.ROLLOUT_KEY_PREFIX, tenant_keys.PREFIX))) or not (
-        _is_admin(state, key)
-    ):
+    if not is_global_admin(request, state):
         raise Forbidden("raw=true (unredacted credentials) needs the global admin key", param="raw", code="admin_only")
 
 

@@ -159,8 +159,10 @@ class Metrics:
         )
         self.counterfactuals_dropped = Counter(
             "clawgate_counterfactuals_dropped",
-            "Counterfactual siblings not drawn or not kept, by why (cap: too many groups pending; busy or preempted: "
-            "live traffic needed the engine; capture: the served call was not committed; error: the engine failed)",
+            "Counterfactual siblings not drawn or not kept, by why (cap: too many groups pending; busy: live traffic "
+            "left no idle moment; preempted: a draw cut short by a live call, drawn again in the next idle moment; "
+            "late: not drawn by the group's deadline; capture: the served call was not committed; error: the engine "
+            "failed)",
             ["reason"],
             registry=r,
         )

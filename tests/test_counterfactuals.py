@@ -5,10 +5,13 @@ in a group normalized per prompt."""
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
+import time
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import sqlalchemy as sa
 import torch
@@ -18,7 +21,7 @@ from gateway.core import counterfactuals as drawer_module
 from gateway.store import counterfactuals, judgements
 from gateway.store import turns as store_turns
 from gateway.store.db import connect
-from gateway.store.models import Call, Counterfactual, TrainedTurn
+from gateway.store.models import Call, Counterfactual, CounterfactualGroup, TrainedTurn
 from gateway.store.training_data import load_turns, turn_trees
 from rewards.functions import RewardFunction
 from rewards.report import turn_rows
@@ -120,6 +123,37 @@ def test_siblings_are_never_served_nor_spliced(gw):
     db.dispose()
 
 
+def test_only_the_admin_key_reads_the_siblings_on_the_rollout_api(gateway_factory):
+    """``GET /v1/rollouts/{id}`` carries each call's counterfactual group for the global admin key only: a client's
+    key (the environment's, a tenant's admin key, the rollout's own) reads the calls without it."""
+    gw = gateway_factory(admin_key="adm", api_keys="client-key", policy_follow=False, counterfactuals=K)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 12}
+    served = httpx.post(
+        gw.v1 + "/chat/completions", json=body, headers={"Authorization": "Bearer client-key"}, timeout=60
+    )
+    assert served.status_code == 200, served.text
+    settle(gw)
+
+    def read(rollout_id: str, key: str) -> httpx.Response:
+        return httpx.get(f"{gw.url}/v1/rollouts/{rollout_id}", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+    everyday = served.headers["x-clawgate-rollout-id"]
+    [call] = read(everyday, "adm").json()["calls"]
+    group = call["counterfactual_group"]
+    assert group["k"] == K and [s["counterfactual"] for s in group["siblings"]] == [True] * K
+    assert all(s["message"] is not None for s in group["siblings"])
+    assert read(everyday, "client-key").status_code == 401
+    r = httpx.post(gw.url + "/v1/admin/keys", json={"tenant": "default", "role": "admin"}, headers=ADMIN, timeout=30)
+    assert r.status_code == 201, r.text
+    [call] = read(everyday, r.json()["key"]).json()["calls"]
+    assert "counterfactual_group" not in call, "a tenant's admin key is a client's"
+    ro = httpx.post(gw.url + "/v1/rollouts", json={"task_id": "t", "harness": "sdk"}, headers=ADMIN, timeout=30).json()
+    own = {"Authorization": f"Bearer {ro['api_key']}"}
+    assert httpx.post(ro["base_url"] + "/chat/completions", json=body, headers=own, timeout=60).status_code == 200
+    assert "counterfactual_group" in read(ro["id"], "adm").json()["calls"][0]
+    assert "counterfactual_group" not in read(ro["id"], ro["api_key"]).json()["calls"][0]
+
+
 def test_the_cap_holds_and_drops_are_counted(gateway_factory, monkeypatch):
     gw = gateway_factory(admin_key="adm", policy_follow=False, counterfactuals=2, counterfactual_max_pending=1)
     drawer = gw.state.service.counterfactuals
@@ -140,33 +174,34 @@ def test_the_cap_holds_and_drops_are_counted(gateway_factory, monkeypatch):
     db.dispose()
 
 
-def test_a_live_call_preempts_a_sibling_and_the_group_keeps_what_was_whole(gateway_factory):
+def test_live_traffic_that_stays_cuts_the_group_short_and_every_sibling_is_counted(gateway_factory, monkeypatch):
     gw = gateway_factory(admin_key="adm", policy_follow=False, counterfactuals=3)
     drawer = gw.state.service.counterfactuals
+    monkeypatch.setattr(drawer_module, "IDLE_WAIT_S", 0.5)
     seen = {"n": 0}
 
     def live() -> int:
-        # Live traffic arrives while the second sibling is generating.
+        # Live traffic arrives while the siblings generate, and stays.
         seen["n"] += 1
-        return 1 if seen["n"] > 16 else 0
+        return 1 if seen["n"] > 8 else 0
 
     drawer.live = live
     call_id, _, _ = chat(gw, [{"role": "user", "content": "Tell me a long story about the sea and ships."}])
     settle(gw)
     db = connect(gw.settings.database_url)
     group = counterfactuals.group_of(db, call_id)
-    dropped = metric(gw, 'clawgate_counterfactuals_dropped_total{reason="preempted"}') + metric(
-        gw, 'clawgate_counterfactuals_dropped_total{reason="busy"}'
-    )
+    preempted = metric(gw, 'clawgate_counterfactuals_dropped_total{reason="preempted"}')
+    busy = metric(gw, 'clawgate_counterfactuals_dropped_total{reason="busy"}')
     drawn = 0 if group is None else len(group.siblings)
-    assert dropped >= 1 and drawn + dropped == 3, "every sibling asked for is drawn or counted as dropped"
+    assert preempted >= 1, "a live call cuts the siblings in flight short"
+    assert drawn + busy == 3, "every sibling asked for is drawn whole or counted as dropped for want of an idle moment"
     db.dispose()
 
 
-def test_a_preempted_sibling_leaves_the_rest_of_its_group_to_the_next_idle_moment(gateway_factory):
+def test_siblings_cut_short_are_drawn_again_in_the_next_idle_moment(gateway_factory):
     gw = gateway_factory(admin_key="adm", policy_follow=False, counterfactuals=3)
     drawer = gw.state.service.counterfactuals
-    engine, started, fired = drawer.engine, [], []
+    engine, started, live_until = drawer.engine, [], []
 
     class Counting:
         name = engine.name
@@ -176,20 +211,19 @@ def test_a_preempted_sibling_leaves_the_rest_of_its_group_to_the_next_idle_momen
             return engine.generate(request)
 
     def live() -> int:
-        # One live call arrives while the second sibling generates, and is done before the third would start.
-        if len(started) == 2 and not fired:
-            fired.append(True)
-            return 1
-        return 0
+        # One live call arrives once the group's three siblings run together, and is done 0.3 s later.
+        if len(started) == 3 and not live_until:
+            live_until.append(time.monotonic() + 0.3)
+        return 1 if live_until and time.monotonic() < live_until[0] else 0
 
     drawer.engine, drawer.live = Counting(), live
     call_id, _, _ = chat(gw, [{"role": "user", "content": "Tell me a long story about the sea and ships."}])
     settle(gw)
     db = connect(gw.settings.database_url)
     group = counterfactuals.group_of(db, call_id)
-    assert len(started) == 3 and group is not None
-    assert sorted(s.id for s in group.siblings) == sorted([started[0], started[2]]), "the third waited, then drew"
-    assert metric(gw, 'clawgate_counterfactuals_dropped_total{reason="preempted"}') == 1
+    assert len(started) == 6 and group is not None, "three started together, cut short, then three again"
+    assert sorted(s.id for s in group.siblings) == sorted(started[3:]), "the second draws were kept whole"
+    assert metric(gw, 'clawgate_counterfactuals_dropped_total{reason="preempted"}') == 3
     assert metric(gw, 'clawgate_counterfactuals_dropped_total{reason="busy"}') == 0
     db.dispose()
 
@@ -287,6 +321,63 @@ def test_the_worker_scores_the_group_without_next_state(gw):
     db.dispose()
 
 
+def test_the_judge_waits_for_a_group_being_drawn_and_a_draw_past_its_deadline_lets_it_go(gw, monkeypatch):
+    drawer = gw.state.service.counterfactuals
+    busy = {"live": 1}
+    drawer.live = lambda: busy["live"]  # live traffic holds the engine: the first group waits for an idle moment
+    monkeypatch.setattr(drawer_module, "IDLE_WAIT_S", 60.0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Hello?"}]
+    call_id, _, answer = chat(gw, messages)
+    chat(gw, [*messages, answer, {"role": "user", "content": "And then?"}])  # the first turn's next state
+    gw.flush()
+    db = connect(gw.settings.database_url)
+
+    def judgeable() -> set[str]:
+        return {c for c, _ in judgements.candidates(db, 10, exclude=set())}
+
+    assert call_id not in judgeable(), "its group is being drawn: the judge waits for the siblings"
+    busy["live"] = 0
+    settle(gw)
+    group = counterfactuals.group_of(db, call_id)
+    assert group is not None and len(group.siblings) == K
+    assert call_id in judgeable()
+
+    # A draw that outlasts its deadline gives the rest up and lets the judge go on without waiting for it.
+    monkeypatch.setattr(drawer_module, "DRAW_DEADLINE_S", 1.5)
+    busy["live"] = 1
+    late, _, _ = chat(gw, [{"role": "user", "content": "Late?"}])
+    settle(gw)
+    assert metric(gw, 'clawgate_counterfactuals_dropped_total{reason="late"}') == K
+    group = counterfactuals.group_of(db, late)
+    assert group is not None and group.siblings == [], "the group says K were asked for and none was drawn"
+    with Session(db) as session:
+        assert session.get(CounterfactualGroup, late).drawing_until is None, "closed as soon as the draw ended"
+    db.dispose()
+
+
+def test_siblings_recorded_after_their_turns_verdict_are_not_kept(gw):
+    from gateway.store.counterfactuals import DrawnSibling, NewGroup, open_group, record_group
+    from gateway.store.models import Judgement
+
+    call_id, rollout_id, _ = chat(gw, [{"role": "user", "content": "Hi."}])
+    settle(gw)
+    db = connect(gw.settings.database_url)
+    with Session(db) as session, session.begin():  # a second served turn, opened and judged before its siblings
+        session.query(Counterfactual).filter_by(call_id=call_id).delete()
+        session.query(CounterfactualGroup).filter_by(call_id=call_id).delete()
+        session.add(Judgement(call_id=call_id, rollout_id=rollout_id, status="done"))
+    soon = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=30)
+    assert open_group(db, call_id, rollout_id, 1, soon)
+    assert not open_group(db, call_id, rollout_id, 1, soon), "one group per served call"
+    group = NewGroup(
+        call_id, rollout_id, 1, None, None, "local", [DrawnSibling("cf-late", [1, 2], [-0.1, -0.2], "stop")]
+    )
+    assert not record_group(db, group), "the judge already scored the turn alone: nothing would score them"
+    with Session(db) as session:
+        assert session.get(Counterfactual, "cf-late") is None
+    db.dispose()
+
+
 def test_vllm_gets_the_siblings_priority_and_live_calls_none():
     from gateway.engines.base import GenerationRequest, SamplingParams
     from gateway.engines.vllm_wire import completion_body
@@ -367,6 +458,12 @@ def test_siblings_are_read_as_their_call_is_parsed_and_scanned(gateway_factory, 
         )
     else:
         assert secret.completion_ids.tolist() == leak and key.value in decoded
+    # Exported (``clawgate export``, the admin's rollout read), a sibling's message goes too, unless its text held
+    # a credential: then only with raw.
+    exported = {s["id"]: s["message"] for s in counterfactuals.group_record(group)["siblings"]}
+    assert exported == {tool.id: tool.message, plain.id: plain.message, secret.id: None}
+    [raw] = [s["message"] for s in counterfactuals.group_record(group, raw=True)["siblings"] if s["id"] == secret.id]
+    assert raw == secret.message and (key.value in json.dumps(raw)) == (secrets != "drop")
     # The judge reads the group with the credential redacted.
     turn = load_turn(db, call_id, tokenizer_decode(tiny_tokenizer))
     views = load_group(db, turn, tokenizer_decode(tiny_tokenizer))
@@ -380,6 +477,24 @@ def test_siblings_are_read_as_their_call_is_parsed_and_scanned(gateway_factory, 
     untrained = {v.id: v.untrained for v in sibling_views(served, group, secrets)}
     whole = ((0, len(secret.completion_ids)),)
     assert untrained == {tool.id: (), secret.id: ((start, end),) if secrets == "mask" else whole, plain.id: ()}
+
+
+def test_a_held_prompt_hides_every_siblings_message_and_one_never_scanned_keeps_it():
+    message = {"content": "Plain words.", "reasoning": None, "tool_calls": []}
+    ids, logprobs = np.array([5, 6], dtype=np.uint32), np.zeros(2, dtype=np.float32)
+    siblings = [
+        counterfactuals.Sibling(i, ids, logprobs, "stop", None, None, None, message, spans)
+        for i, spans in (("unscanned", None), ("clean", ()))
+    ]
+    group = counterfactuals.Group("served", 2, None, None, siblings)
+
+    def messages(**flags: bool) -> list[Any]:
+        return [s["message"] for s in counterfactuals.group_record(group, **flags)["siblings"]]
+
+    assert messages() == [message, message], "secrets off: nothing was scanned, nothing to hide"
+    # The served call held a credential a sibling may repeat from the shared prompt, where its own scan cannot see it.
+    assert messages(held=True) == messages(held=True, with_tokens=False) == [None, None]
+    assert messages(held=True, raw=True) == [message, message]
 
 
 def turn_prompt(db: sa.Engine, call_id: str) -> list[int]:

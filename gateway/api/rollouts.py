@@ -14,7 +14,15 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 
 from gateway.api.rollouts_wire import CreateRollout, FinishRollout, PostFeedback, PostReward
-from gateway.deps import AdminAuth, authorize_raw, authorize_rollout, principal_of, rollout_tenant, store_caught_up
+from gateway.deps import (
+    AdminAuth,
+    authorize_raw,
+    authorize_rollout,
+    is_global_admin,
+    principal_of,
+    rollout_tenant,
+    store_caught_up,
+)
 from gateway.errors import BadRequest, Conflict, Forbidden, NotFound
 from gateway.state import State
 from gateway.store import console, rollout_lifecycle
@@ -123,12 +131,19 @@ async def list_rollouts(
 async def get_rollout(
     rollout_id: str, request: Request, state: State, tokens: bool = True, raw: bool = False
 ) -> dict[str, Any]:
-    """The rollout's calls and rewards; the token ids of credentials read -1 unless ``raw`` (admin key only)."""
+    """The rollout's calls and rewards; the token ids of credentials read -1 unless ``raw`` (admin key only).
+
+    Read with the global admin key, each call also carries its ``counterfactual_group`` (the siblings drawn for it,
+    None when none were): siblings are never shown to a client, so a tenant's or the rollout's own key reads the
+    calls without that field."""
     await authorize_rollout(request, state, rollout_id)
     if raw:
         authorize_raw(request, state)
+    siblings = is_global_admin(request, state)
     await store_caught_up(state)
-    return await asyncio.to_thread(rollout_lifecycle.detail, state.db, rollout_id, with_tokens=tokens, raw=raw)
+    return await asyncio.to_thread(
+        rollout_lifecycle.detail, state.db, rollout_id, with_tokens=tokens, raw=raw, counterfactuals=siblings
+    )
 
 
 @router.get("/v1/rollouts/{rollout_id}/tree")

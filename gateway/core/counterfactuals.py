@@ -19,15 +19,22 @@ Live traffic first:
 - with ``priority`` > 0 the siblings go to the engine with that request priority (vLLM under
   ``--scheduling-policy priority`` schedules them after live calls and preempts them first);
 - with ``priority`` 0 (the local engine, or vLLM under its default FCFS policy, which refuses priorities) the gateway
-  yields itself: one sibling at a time, started only while no live call runs in this gateway, and abandoned as soon
-  as one arrives (the next sibling waits for the next idle moment; the group keeps the siblings drawn whole). The
-  engine then serves a sibling beside a live call only until the sibling's next token shows the gateway the live
-  call: two decoding steps at most on an engine that schedules a step as the previous one ends.
+  yields itself: one group at a time, its siblings started together (one batch over the shared prompt: on the local
+  engine 7 answers take 3x the time of one, not 7x) only while no live call runs in this gateway, and abandoned as
+  soon as one arrives; those cut short are drawn again in the next idle moment, in a batch half as large (doubling
+  again after each batch drawn whole, so batches fit the gaps live traffic leaves), and the group keeps the siblings
+  drawn whole. The engine then serves siblings beside a live call only until their next token shows the
+  gateway the live call: two decoding steps at most on an engine that schedules a step as the previous one ends.
+
+The group is opened in the store when its draw starts and closed when its siblings are recorded, by
+``DRAW_DEADLINE_S`` at the latest (siblings not drawn by then are dropped as ``late``): the reward worker judges a turn
+whose group is open only once it is closed, so the served answer and its siblings are scored together.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 import random
 from collections import Counter
@@ -42,7 +49,7 @@ from gateway.core.parsers.base import ParsedOutput
 from gateway.engines.base import Engine, GenerationEnd, GenerationRequest
 from gateway.ids import new_id
 from gateway.metrics import Metrics
-from gateway.store.counterfactuals import DrawnSibling, NewGroup, record_group
+from gateway.store.counterfactuals import DrawnSibling, NewGroup, close_group, open_group, record_group
 from gateway.store.writer import CallWriter
 
 log = logging.getLogger("clawgate.counterfactuals")
@@ -51,8 +58,10 @@ log = logging.getLogger("clawgate.counterfactuals")
 CONVERSATION_APIS = ("chat", "messages", "responses")
 # How long a group waits for its served call's commit before it is given up (the capture is degraded then).
 COMMIT_WAIT_S = 10.0
-# How long a sibling waits for the gateway to have no live call (priority 0) before the rest of its group is dropped.
+# How long a group's draw waits for the gateway to have no live call (priority 0) before the rest is dropped.
 IDLE_WAIT_S = 2.0
+# How long a group may take to be drawn: its turn's judge waits for it until then.
+DRAW_DEADLINE_S = 30.0
 IDLE_POLL_S = 0.02
 
 # The served call's output parser over an answer's ids (``Service.parse_answer``).
@@ -102,9 +111,13 @@ class Counterfactuals:
         self.scan = scan  # None: credentials are not looked for (``secrets=off``)
         self.pending = 0
         self._tasks: set[asyncio.Task[None]] = set()
-        # Priority 0: one sibling at a time, whatever the number of groups pending. Siblings started together in a gap
-        # would each decode slower, rarely finish before the next live call, and all share its first steps.
+        # Priority 0: one group at a time, whatever the number of groups pending. Several groups started together in a
+        # gap would each decode slower, rarely finish before the next live call, and all share its first steps.
         self._yielding = asyncio.Lock()
+        # Priority 0: how many of a group's siblings start together. All of them (one batch over the shared prompt
+        # costs a batching engine far less than as many answers one by one) until a live call cuts a batch short;
+        # then half as many, doubling again after each batch drawn whole, so batches fit the gaps live traffic leaves.
+        self._batch = k
 
     def eligible(self, prep: PlannedCall) -> bool:
         """A turn of everyday traffic whose answer can be compared: a conversation API, no grammar (its logprobs are
@@ -144,60 +157,88 @@ class Counterfactuals:
 
     async def _draw(self, prep: PlannedCall) -> None:
         siblings: list[DrawnSibling] = []
+        call_id = prep.call_ids[0]
+        opened = False
         try:
             # The group names the served call: wait for its commit (the writer commits in order).
             if not await self.writer.wait_committed(COMMIT_WAIT_S):
                 self.metrics.counterfactuals_dropped.labels("capture").inc(self.k)
                 return
-            siblings = await self._siblings(prep)
+            until = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=DRAW_DEADLINE_S)
+            opened = await asyncio.to_thread(open_group, self.db, call_id, prep.rollout_id, self.k, until)
+            if not opened:
+                self.metrics.counterfactuals_dropped.labels("capture").inc(self.k)
+                return
+            deadline = asyncio.get_running_loop().time() + DRAW_DEADLINE_S - 1.0  # a second left to record them
+            siblings = await self._siblings(prep, deadline)
             if not siblings:
                 return
             siblings = await asyncio.to_thread(self._read, prep, siblings)
             group = NewGroup(
-                prep.call_ids[0],
-                prep.rollout_id,
-                self.k,
-                prep.adapter,
-                prep.policy_version,
-                self.engine.name,
-                siblings,
+                call_id, prep.rollout_id, self.k, prep.adapter, prep.policy_version, self.engine.name, siblings
             )
             if await asyncio.to_thread(record_group, self.db, group):
                 self.metrics.counterfactuals_drawn.inc(len(siblings))
-            else:
-                self.metrics.counterfactuals_dropped.labels("capture").inc(len(siblings))
+            else:  # the turn was judged without them (the draw outlasted its deadline)
+                self.metrics.counterfactuals_dropped.labels("late").inc(len(siblings))
+            opened = False
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a database fault: the served turn trains with the batch baseline instead
-            log.warning("counterfactual group of %s not recorded: %s", prep.call_ids[0], exc)
+            log.warning("counterfactual group of %s not recorded: %s", call_id, exc)
             self.metrics.counterfactuals_dropped.labels("error").inc(len(siblings) or self.k)
         finally:
             self.pending -= 1
+            if opened:  # nothing to record: let the judge go on without waiting for the deadline
+                await self._close(call_id)
 
-    async def _siblings(self, prep: PlannedCall) -> list[DrawnSibling]:
-        """Draw the siblings one after the other. One that a live call cuts short is dropped and the next waits for
-        the gateway to be idle again; a fault, or no idle moment within IDLE_WAIT_S, drops the rest."""
+    async def _close(self, call_id: str) -> None:
+        try:
+            await asyncio.to_thread(close_group, self.db, call_id)
+        except Exception as exc:  # the deadline closes it
+            log.warning("counterfactual group of %s not closed: %s", call_id, exc)
+
+    async def _siblings(self, prep: PlannedCall, deadline: float) -> list[DrawnSibling]:
+        """Draw the group's siblings, all at once under a priority; under priority 0 in batches that start in idle
+        moments, those a live call cuts short drawn again in the next. A fault, no idle moment within IDLE_WAIT_S, or
+        the deadline drops the rest."""
         out: list[DrawnSibling] = []
-        for i in range(self.k):
-            reason = None
-            try:
-                if self.priority == 0:
-                    async with self._yielding:
-                        if await self._wait_idle():
-                            out.append(await self._one(prep, i))
-                        else:
-                            reason = "busy"
+        todo = list(range(self.k))
+        loop = asyncio.get_running_loop()
+        while todo:
+            if loop.time() >= deadline:
+                self.metrics.counterfactuals_dropped.labels("late").inc(len(todo))
+                break
+            if self.priority == 0:
+                async with self._yielding:
+                    busy = await self._wait_idle(deadline)
+                    if busy is not None:
+                        self.metrics.counterfactuals_dropped.labels(busy).inc(len(todo))
+                        break
+                    batch, todo = todo[: self._batch], todo[self._batch :]
+                    results = await asyncio.gather(*(self._one(prep, i) for i in batch), return_exceptions=True)
+            else:
+                batch, todo = todo, []
+                results = await asyncio.gather(*(self._one(prep, i) for i in batch), return_exceptions=True)
+            again: list[int] = []
+            failed: BaseException | None = None
+            for i, result in zip(batch, results, strict=True):
+                if isinstance(result, DrawnSibling):
+                    out.append(result)
+                elif isinstance(result, _Preempted):
+                    self.metrics.counterfactuals_dropped.labels("preempted").inc()
+                    again.append(i)
+                elif isinstance(result, asyncio.CancelledError):
+                    raise result
                 else:
-                    out.append(await self._one(prep, i))
-            except _Preempted:
-                reason = "preempted"
-            except Exception as exc:
-                log.warning("counterfactual draw for %s failed: %s", prep.call_ids[0], exc)
-                reason = "error"
-            if reason == "preempted":  # this one is lost; the next waits for the next idle moment
-                self.metrics.counterfactuals_dropped.labels(reason).inc()
-            elif reason is not None:
-                self.metrics.counterfactuals_dropped.labels(reason).inc(self.k - i)
+                    failed = result
+                    again.append(i)
+            if self.priority == 0:  # fit the batches to the gaps live traffic leaves
+                self._batch = max(1, len(batch) // 2) if again else min(self.k, 2 * self._batch)
+            todo = again + todo
+            if failed is not None:
+                log.warning("counterfactual draw for %s failed: %s", prep.call_ids[0], failed)
+                self.metrics.counterfactuals_dropped.labels("error").inc(len(todo))
                 break
         return out
 
@@ -221,15 +262,16 @@ class Counterfactuals:
             out.append(replace(s, completion_ids=ids, finish_reason=finish, message=message, secret_spans=spans))
         return out
 
-    async def _wait_idle(self) -> bool:
-        """Whether the gateway had no live call within IDLE_WAIT_S."""
+    async def _wait_idle(self, deadline: float) -> str | None:
+        """None once the gateway has no live call; else why it gave up: "busy" (none within IDLE_WAIT_S) or "late"
+        (the group's deadline came first)."""
         loop = asyncio.get_running_loop()
-        until = loop.time() + IDLE_WAIT_S
+        until = min(loop.time() + IDLE_WAIT_S, deadline)
         while self.live() > 0:
             if loop.time() >= until:
-                return False
+                return "late" if until == deadline else "busy"
             await asyncio.sleep(IDLE_POLL_S)
-        return True
+        return None
 
     async def _one(self, prep: PlannedCall, i: int) -> DrawnSibling:
         params = prep.params

@@ -1,9 +1,12 @@
 """Counterfactual groups in the store: recording the siblings drawn for a served turn, reading a turn's group, and
 recording the group's scores.
 
-A group is written whole, in one transaction, after its draws ended (a sibling cut short by live traffic or an
-engine fault is left out, so a partial group holds only complete answers); it is written only once the served call
-itself is in the database, so it never names a call that a capture outage lost.
+A group is *opened* when its draw starts (``open_group``: a row with ``drawing_until``, once the served call itself is
+in the database, so it never names a call that a capture outage lost) and its siblings are written whole, in one
+transaction, after the draws ended (``record_group``; a sibling cut short by live traffic or an engine fault is left
+out, so a partial group holds only complete answers). While a group is open its turn is not judged
+(``turns.judgeable``): the judge scores the served answer and its siblings together. A gateway that dies mid-draw
+leaves an open group whose ``drawing_until`` passes: its turn is judged alone then, and trained on the batch baseline.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from gateway.store import codec
-from gateway.store.models import Call, Counterfactual, CounterfactualGroup, utcnow
+from gateway.store.models import FINAL_JUDGEMENTS, Call, Counterfactual, CounterfactualGroup, Judgement, utcnow
 from gateway.store.secret_spans import redact_ids
 
 
@@ -50,22 +53,38 @@ class NewGroup:
     siblings: list[DrawnSibling]
 
 
-def record_group(db: sa.Engine, group: NewGroup) -> bool:
-    """Write the group and its siblings; False (nothing written) when the served call is not in the database or
-    already has a group."""
-    now = utcnow()
+def open_group(db: sa.Engine, call_id: str, rollout_id: str, k: int, until: dt.datetime) -> bool:
+    """Open the group of served call ``call_id`` whose siblings will be recorded by ``until``; False (nothing written)
+    when the call is not in the database or already has a group."""
     with Session(db) as session, session.begin():
-        if session.get(Call, group.call_id) is None or session.get(CounterfactualGroup, group.call_id) is not None:
+        if session.get(Call, call_id) is None or session.get(CounterfactualGroup, call_id) is not None:
             return False
         session.add(
             CounterfactualGroup(
-                call_id=group.call_id,
-                rollout_id=group.rollout_id,
-                k=group.k,
-                drawn=len(group.siblings),
-                created_at=now,
+                call_id=call_id, rollout_id=rollout_id, k=k, drawn=0, created_at=utcnow(), drawing_until=until
             )
         )
+    return True
+
+
+def record_group(db: sa.Engine, group: NewGroup) -> bool:
+    """Write the group's siblings and close it (opening it first when ``open_group`` was not called); False (nothing
+    written) when the served call is not in the database, its group was recorded already, or its turn's verdict is in
+    (the draw outlasted ``drawing_until``: the siblings would never be scored beside it)."""
+    now = utcnow()
+    with Session(db) as session, session.begin():
+        if session.get(Call, group.call_id) is None:
+            return False
+        row = session.get(CounterfactualGroup, group.call_id)
+        if row is None:
+            row = CounterfactualGroup(call_id=group.call_id, rollout_id=group.rollout_id, k=group.k, created_at=now)
+            session.add(row)
+        elif row.drawing_until is None:
+            return False
+        if _verdict_in(session, group.call_id):
+            return False
+        row.drawn = len(group.siblings)
+        row.drawing_until = None
         # The group row goes first: the siblings' foreign keys name the call, which exists already.
         session.flush()
         session.add_all(
@@ -87,6 +106,25 @@ def record_group(db: sa.Engine, group: NewGroup) -> bool:
             for s in group.siblings
         )
     return True
+
+
+def close_group(db: sa.Engine, call_id: str) -> None:
+    """A draw that ended without siblings to record: the turn is judged without waiting for ``drawing_until``."""
+    with Session(db) as session, session.begin():
+        row = session.get(CounterfactualGroup, call_id)
+        if row is not None and row.drawing_until is not None:
+            row.drawing_until = None
+
+
+def _verdict_in(session: Session, call_id: str) -> bool:
+    """Whether the reward worker is done with the turn."""
+    judgement = session.get(Judgement, call_id)
+    return judgement is not None and judgement.status in FINAL_JUDGEMENTS
+
+
+def drawing() -> sa.ColumnElement[bool]:
+    """The call's group is being drawn (needs ``Call``): its turn waits for the siblings before it is judged."""
+    return sa.exists().where(CounterfactualGroup.call_id == Call.id, CounterfactualGroup.drawing_until > utcnow())
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,14 +213,17 @@ def group_of(db: sa.Engine, call_id: str) -> Group | None:
 def group_record(group: Group, *, with_tokens: bool = True, raw: bool = False, held: bool = False) -> dict[str, Any]:
     """A served call's group as JSON data (``clawgate export``, the console): each sibling marked ``counterfactual``
     (drawn for the group, never served to a client nor continued), with its finish reason, score, the credentials
-    its scan found (``secrets``: kind and positions in its answer; None when it was not scanned) and, with
+    its scan found (``secrets``: kind and positions in its answer; None when it was not scanned), its parsed
+    ``message`` (content, reasoning, tool calls; None when its text held a credential, unless ``raw``) and, with
     ``with_tokens``, its ids and logprobs. Unless ``raw`` the ids of those credentials read -1, and every id of every
     sibling when the served call's tokens held one (``held``; the group's ``redacted``): a sibling may repeat it from
-    the shared prompt where the scan of the sibling alone does not see it."""
+    the shared prompt where the scan of the sibling alone does not see it. The message, whose text has no token spans
+    to blank, reads None in both cases (a sibling never scanned, ``secrets`` off, keeps it)."""
     redacted = held and not raw and with_tokens
     siblings = []
     for s in group.siblings:
         spans = list(s.secret_spans) if s.secret_spans is not None else None
+        credential = not raw and (held or bool(spans))
         item: dict[str, Any] = {
             "id": s.id,
             "counterfactual": True,
@@ -192,6 +233,7 @@ def group_record(group: Group, *, with_tokens: bool = True, raw: bool = False, h
             "reward": s.reward,
             "details": s.details,
             "secrets": None if spans is None else [{"kind": k, "start": a, "end": b} for k, a, b in spans],
+            "message": None if credential else s.message,
         }
         if with_tokens:
             ids = s.completion_ids.tolist()

@@ -266,6 +266,10 @@ class TrainedRollout(Base):
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
+# Judgement statuses after which the reward worker will not touch a turn again.
+FINAL_JUDGEMENTS = ("done", "unparseable", "failed")
+
+
 class Judgement(Base):
     """The reward worker's verdict on one turn (the judge, reward functions): claimed, done, or given up on.
 
@@ -458,6 +462,8 @@ class CounterfactualGroup(Base):
     served_reward: Mapped[float | None] = mapped_column(sa.Float)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     judged_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    # Set while its siblings are drawn: the time by which they are recorded or given up (``open_group``).
+    drawing_until: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
 
 
 class Counterfactual(Base):

@@ -25,9 +25,10 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from gateway.credentials.tokens import COMPLETION
-from gateway.store.counterfactuals import Group, groups_of
+from gateway.store.counterfactuals import Group, drawing, groups_of
 from gateway.store.lineages import scope
 from gateway.store.models import (
+    FINAL_JUDGEMENTS,
     Call,
     Counterfactual,
     CounterfactualGroup,
@@ -40,8 +41,7 @@ from gateway.store.models import (
 
 # APIs whose calls are conversations (the completions API takes raw prompts: no turns to judge).
 CONVERSATION_APIS = ("chat", "messages", "responses")
-# Judgement statuses after which the worker will not touch a turn again.
-FINAL = ("done", "unparseable", "failed")
+FINAL = FINAL_JUDGEMENTS
 ROLLOUT_SOURCE = "rollout"
 
 
@@ -56,7 +56,8 @@ def has_next_state() -> sa.ColumnElement[bool]:
 
 
 def judgeable() -> tuple[sa.ColumnElement[bool], ...]:
-    return (*is_turn(), Call.api.in_(CONVERSATION_APIS), has_next_state())
+    """A conversation turn with its next state, whose counterfactual group (if one is offered) is not being drawn."""
+    return (*is_turn(), Call.api.in_(CONVERSATION_APIS), has_next_state(), ~drawing())
 
 
 def judged() -> sa.ColumnElement[bool]:
