@@ -3,8 +3,8 @@
 Starts a vLLM CPU server on the tiny model and, in front of it, one clawgate gateway (a separate process) per mode:
 
 - ``off``: no counterfactuals;
-- ``K=3 yield``: K siblings per turn at priority 0 — the gateway draws one sibling at a time, only while it serves no
-  live call, and abandons it when one arrives (``gateway/core/counterfactuals.py``);
+- ``K=3 yield``: K siblings per turn at priority 0 — the gateway draws one group at a time, its siblings in a batch
+  started only while it serves no live call and abandoned when one arrives (``gateway/core/counterfactuals.py``);
 - ``K=3 prio 1`` (only on a server under ``--scheduling-policy priority``): the siblings go to vLLM with request
   priority 1 and vLLM schedules them after the live calls.
 

@@ -17,10 +17,12 @@ loop: its score must stay flat. ``--counterfactuals K [K ...]``: the gateway dra
 judge scores each group on the context alone, and a turn with a scored group is normalized within it (judge mode);
 each K given runs (0: the batch baseline alone), seed by seed. ``--think S``: the user pauses S seconds before each
 turn, as a person reads and types; the gateway draws siblings in those pauses (on the local engine a sibling yields
-to any live call).
+to any live call). ``--paced``: the user waits while the trainer has a step's worth of work waiting (ready answers,
+siblings included, and turns the judge has not scored), so a run's turn count follows the trainer's steps rather than
+the wall clock and the machine's load.
 
     .venv/bin/python bench/runtime_learning.py [--seeds 0 1] [--reward judge|feedback] [--lr 1e-2] [--timeout 420]
-        [--counterfactuals 0 3 7] [--think 1.0]
+        [--counterfactuals 0 3 7] [--think 1.0] [--side-by-side] [--paced]
 
 Prints the mean score of the turns each policy version served, the user turns sent until the newest versions scored
 ``gain`` above v0, the engine tokens spent per user turn (served answers, siblings), and the wall time.
@@ -49,6 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gateway.store import db  # noqa: E402
+from gateway.store import turns as store_turns  # noqa: E402
 from tests.judge_server import JudgeServer, free_port, section  # noqa: E402
 from tests.online import UpProcess, wait_healthy  # noqa: E402
 
@@ -84,6 +87,38 @@ class TargetRule:
         return json.dumps({"score": round(score, 4), "reason": f"{score:.0%} of the reply is on target"})
 
 
+class Pacer:
+    """Holds the user back while the trainer has a step's worth of work waiting (``--paced``): ready answers (a turn
+    with K scored siblings counts K + 1, as the trainer's step budget does) plus turns the judge has not scored yet.
+    The user's turns then follow the trainer's steps instead of the wall clock, so the turns a run needs compare
+    across machine loads and Ks; without it a slow trainer lets turns pile up and age out untrained."""
+
+    def __init__(self, url: str, limit: int, *, judge: bool) -> None:
+        self.db = db.connect(url)
+        self.limit = limit
+        self.judge = judge
+        self._lock = threading.Lock()
+        self._seen = (0.0, 0)  # (when, outstanding work)
+        self.waited = 0.0  # seconds the user was held back, all threads together
+
+    def outstanding(self) -> int:
+        with self._lock:  # one look every 0.25 s, shared by the user's threads
+            now = time.monotonic()
+            if now - self._seen[0] >= 0.25:
+                b = store_turns.backlog(self.db, 0, await_judge=self.judge)
+                self._seen = (now, b.answers + b.awaiting_judge)
+            return self._seen[1]
+
+    def wait(self, until: float) -> None:
+        start = time.monotonic()
+        while self.outstanding() >= self.limit and time.monotonic() < until:
+            time.sleep(0.25)
+        self.waited += time.monotonic() - start
+
+    def close(self) -> None:
+        self.db.dispose()
+
+
 @dataclass
 class User:
     """Works with the gateway like a person: conversations of one to three turns, some with tools, in parallel."""
@@ -93,8 +128,10 @@ class User:
     seed: int
     feedback: bool
     think: float = 0.0  # seconds before each turn
+    pacer: Pacer | None = None
     failures: list[str] = field(default_factory=list)
     turns: int = 0
+    deadline: float = float("inf")
 
     def reply_text(self, message: dict[str, Any]) -> str:
         parts = [message.get("reasoning_content") or "", message.get("content") or ""]
@@ -104,6 +141,8 @@ class User:
     def ask(self, client: httpx.Client, body: dict[str, Any]) -> dict[str, Any] | None:
         if self.think:
             time.sleep(self.think)
+        if self.pacer is not None:
+            self.pacer.wait(self.deadline)
         r = client.post("/v1/chat/completions", json=body)
         if r.status_code != 200:
             self.failures.append(f"{r.status_code}: {r.text[:300]}")
@@ -158,7 +197,7 @@ class User:
                 messages.append({"role": "user", "content": f"Thanks. And part {r + 2}?"})
 
     def run(self, until: Callable[[], bool], timeout: float, workers: int = 8) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = self.deadline = time.monotonic() + timeout
 
         def work(index: int) -> None:
             rng = random.Random(self.seed * 7919 + index)
@@ -227,6 +266,7 @@ class Result:
     output: str
     turns_to_goal: int | None = None  # user turns sent when the newest versions first scored ``gain`` above v0
     tokens: tuple[int, int, int] = (0, 0, 0)  # engine_tokens()
+    held: float = 0.0  # seconds the pacer held the user back, all threads together
 
     @property
     def v0(self) -> float:
@@ -254,6 +294,7 @@ def run(
     workers: int = 4,
     counterfactuals: int = 0,
     think: float = 0.0,
+    paced: bool = False,
     log: bool = True,
 ) -> Result:
     """One run; stops once ``min_versions`` versions served turns and the newest score ``gain`` above v0."""
@@ -302,6 +343,8 @@ def run(
     source = "judge" if reward == "judge" else "feedback"
     t0 = time.perf_counter()
     user = User(f"http://127.0.0.1:{port}", rule, seed, feedback=reward == "feedback", think=think)
+    if paced:
+        user.pacer = Pacer(url, max_turns or min_turns, judge=reward == "judge")
     try:
         wait_healthy(user.url, up, 120, version=0)
         state: dict[str, Any] = {"last": 0.0, "done": False, "turns": None}
@@ -334,9 +377,14 @@ def run(
         code = up.stop()
         if server is not None:
             server.stop()
+        if user.pacer is not None:
+            user.pacer.close()
     if code != 0:
         raise RuntimeError(f"`clawgate up` exited with {code}:\n{up.output}")
-    return Result(by_version, time.perf_counter() - t0, user.turns, user.failures, up.output, state["turns"], tokens)
+    held = user.pacer.waited if user.pacer is not None else 0.0
+    return Result(
+        by_version, time.perf_counter() - t0, user.turns, user.failures, up.output, state["turns"], tokens, held
+    )
 
 
 def main() -> int:
@@ -363,6 +411,12 @@ def main() -> int:
         action="store_true",
         help="run the Ks of a seed at the same time, so they share the machine's load (the trainer's pace, and so the "
         "user turns a version takes, depends on it)",
+    )
+    ap.add_argument(
+        "--paced",
+        action="store_true",
+        help="hold the user back while the trainer has a step's worth (--max-turns answers) of work waiting, so turn "
+        "counts follow the trainer's steps, not the wall clock",
     )
     ap.add_argument("--show-output", action="store_true", help="print the end of `clawgate up`'s output")
     args = ap.parse_args()
@@ -395,6 +449,7 @@ def main() -> int:
                 workers=args.workers,
                 counterfactuals=k,
                 think=args.think,
+                paced=args.paced,
             )
 
         for batch in batches:
@@ -412,7 +467,9 @@ def report(args: argparse.Namespace, k: int, seed: int, lr: float, result: Resul
     print(
         f"{args.reward} K={k} seed {seed} lr {lr:g}: v0 {result.v0:.3f} -> newest {result.late():.3f} "
         f"in {result.seconds:.0f}s, {result.turns} turns ({result.turns_to_goal} to +{GAIN:g}), "
-        f"{len(result.failures)} failed requests\n"
+        f"{len(result.failures)} failed requests"
+        + (f", user held back {result.held:.0f}s" if args.paced else "")
+        + "\n"
         f"  engine tokens per user turn: {served / per_turn:.1f} served + {sibling_tokens / per_turn:.1f} "
         f"in {drawn} siblings ({drawn / per_turn:.2f} per turn of {k} asked)\n"
         f"  {curve(result.by_version)}",
