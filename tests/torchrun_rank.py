@@ -58,7 +58,9 @@ def learning(model: str, workdir: str, *runs: str) -> int:
 if __name__ == "__main__":
     args = sys.argv[1:]
     if args[:1] == ["learning"]:
-        sys.exit(learning(*args[1:]))
+        from trainer.distributed import exit_rank
+
+        exit_rank(learning(*args[1:]))  # as `clawgate train` ends a rank
     if os.environ.get("RANK", "0") != "0":
         i = args.index("--database-url")
         args[i + 1] = "postgresql+psycopg://nobody@127.0.0.1:9/unreachable"

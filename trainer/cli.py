@@ -243,8 +243,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     world = distributed.from_env(resolve_device(config.device), shard=config.shard)
     if world is None:
         return _train_main(args, settings, config, None)
-    if not world.main:
-        return _serve_rank(world, config)
+    code = _serve_rank(world, config) if not world.main else _train_rank_0(args, settings, config, world)
+    distributed.exit_rank(code)
+
+
+def _train_rank_0(args: argparse.Namespace, settings: Settings, config: TrainConfig, world: distributed.World) -> int:
+    """Rank 0 under torchrun: the trainer, then the other ranks told to stop and the group closed."""
+    from trainer import distributed
+
     lost = False
     try:
         return _train_main(args, settings, config, world)
