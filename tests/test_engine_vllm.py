@@ -433,34 +433,44 @@ async def test_an_abort_ends_a_stream_the_client_still_reads(
 ) -> None:
     """The abort alone stops a generation: the client stays connected and keeps reading (so vLLM has no disconnect
     to notice), the engine's abort names the request as the engine named it, and the stream ends with finish
-    ``abort``, far before ``max_tokens``."""
+    ``abort``, before ``max_tokens``.
+
+    On a loaded machine vLLM's API server can take its abort in after the engine has written the whole window (seen
+    in CI: a 15 s generation that ran to ``length``), so, as for the tests above, up to ``ABORT_ATTEMPTS`` attempts
+    are made, and the test passes on the first that the abort stopped; an abort that names the wrong request fails
+    them all."""
     max_tokens = MAX_MODEL_LEN - len(prompt)
     await warm_up(engine, prompt)
     # The id the engine sends is the gateway's id plus a random suffix: fixed here, so the test can name it.
     monkeypatch.setattr("gateway.engines.vllm.secrets.token_hex", lambda _n: "feedface")
-    request = GenerationRequest("abort-isolated", prompt, SamplingParams(max_tokens=max_tokens, seed=1))
-    stream = engine.generate(request)
-    got: list[int] = []
-    first = await anext(stream)
-    assert isinstance(first, TokenDelta)
-    got += first.token_ids
-    aborts = engine.aborts_sent
-    # The engine's abort waits 5 s at most. On a loaded machine vLLM's server can take longer to answer, and retries
-    # (each on a new connection) once let the generation's ~4,000 tokens (13 s there) end before the abort took
-    # effect. Here one request is sent, given the time it needs.
+    # One abort request per attempt, given the time a loaded server needs to answer it (the engine's waits 5 s).
     monkeypatch.setattr("gateway.engines.vllm.CONTROL_TIMEOUT", aiohttp.ClientTimeout(total=120))
-    await engine._abort("cmpl-abort-isolated-feedface-0")
-    assert engine.aborts_sent == aborts + 1, "vLLM did not accept the abort"
-    end: GenerationEnd | None = None
-    async for event in stream:  # still connected, still reading
-        if isinstance(event, TokenDelta):
-            got += event.token_ids
-        else:
-            end = event
-    assert end is not None and end.finish_reason == "abort", end
-    # Ended by the abort before the request's room ran out (seed 1 samples no end of turn in that window): an unknown
-    # id runs to the length limit instead. How many tokens came first depends on the machine's load.
-    assert len(got) < max_tokens, (len(got), max_tokens)
+    ends: list[tuple[str, int]] = []
+    for attempt in range(ABORT_ATTEMPTS):
+        request = GenerationRequest(f"abort-isolated-{attempt}", prompt, SamplingParams(max_tokens=max_tokens, seed=1))
+        stream = engine.generate(request)
+        first = await anext(stream)
+        assert isinstance(first, TokenDelta)
+        got = list(first.token_ids)
+        aborts = engine.aborts_sent
+        await engine._abort(f"cmpl-abort-isolated-{attempt}-feedface-0")
+        assert engine.aborts_sent == aborts + 1, "vLLM did not accept the abort"
+        end: GenerationEnd | None = None
+        async for event in stream:  # still connected, still reading
+            if isinstance(event, TokenDelta):
+                got += event.token_ids
+            else:
+                end = event
+        assert end is not None
+        ends.append((end.finish_reason, len(got)))
+        if end.finish_reason == "abort":
+            # Ended by the abort before the request's room ran out (seed 1 samples no end of turn in that window).
+            assert len(got) < max_tokens, (len(got), max_tokens)
+            break
+        # Otherwise the window ran out first: the whole of it, nothing else.
+        assert (end.finish_reason, len(got)) == ("length", max_tokens), ends
+    else:
+        pytest.fail(f"no abort stopped a generation before the end of its window: {ends}")
 
 
 async def test_cancelling_an_unstreamed_generation_aborts_it(
