@@ -127,14 +127,16 @@ def test_two_ranks_take_the_step_one_process_takes(ready_db, tiny_model_dir, tmp
     assert pair.returncode == 0, pair.stderr[-4000:]
 
     # The same data consumed, the same adapter within float tolerance: the ranks add their gradients in another
-    # order than one process does, and Adam's first step divides by the gradients' size, so a weight may differ by
-    # about 1e-6 where the step moved it by up to lr = 1e-2. Tolerance: 1e-5, a thousandth of the step.
+    # order than one process does, and Adam's first step is lr * g / (|g| + eps), so a weight whose gradient is
+    # within a few eps of zero can move by a visible share of lr = 1e-2 on that order alone (typically 1e-6, once
+    # 1.05e-5). Tolerance: 1e-4, a hundredth of the step; a micro-batch lost or counted twice moves weights by a
+    # good part of lr.
     assert trained(one)[0] == trained(two)[0] and len(trained(one)[0]) == 6
     a, b = weights(tmp_path / "one" / "adapters", 1), weights(tmp_path / "two" / "adapters", 1)
     assert a.keys() == b.keys()
     moved = max(float((a[k] - weights(tmp_path / "one" / "adapters", 0)[k]).abs().max()) for k in a)
     assert moved > 1e-4, "the step changed the adapter"
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4
     if algorithm == "ppo":  # the value head was trained on both ranks' gradients too
         head = "value_head.safetensors"
         ha, hb = weights(tmp_path / "one" / "adapters", 1, head), weights(tmp_path / "two" / "adapters", 1, head)
@@ -161,7 +163,7 @@ def test_a_sharded_step_in_bfloat16_with_activation_checkpointing_moves_the_adap
     ready_db, tiny_model_dir, tmp_path
 ):
     """``--shard --mixed-precision bf16 --activation-checkpointing``: the base computes in bfloat16, so the step is
-    not the float32 one to 1e-5, but it goes the same way."""
+    not the float32 one to 1e-4, but it goes the same way."""
     one = copy_of(ready_db, tmp_path / "one")
     two = copy_of(ready_db, tmp_path / "two")
     assert train(tiny_model_dir, one, tmp_path / "one" / "adapters", ranks=1).returncode == 0
